@@ -1,0 +1,10 @@
+"""Entry point: the command table. Each module below registers its commands on the shared app."""
+
+from __future__ import annotations
+
+from t5compress.cli import info  # noqa: F401
+from t5compress.cli.common import app
+
+
+def main() -> None:
+    app()

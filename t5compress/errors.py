@@ -1,0 +1,27 @@
+"""Typed errors. Each message is one line that names the bad thing and says what to do."""
+
+
+class T5CompressError(Exception):
+    """Base class: the CLI prints the message as one red line and exits non-zero."""
+
+    exit_code = 2
+
+
+class ConfigError(T5CompressError):
+    """A configuration value is invalid."""
+
+
+class DataError(T5CompressError):
+    """Input data is missing, malformed or empty."""
+
+
+class ModelError(T5CompressError):
+    """A model or export directory cannot be loaded or is not what the stage needs."""
+
+
+class OutputError(T5CompressError):
+    """The output location exists (without --force) or cannot be written."""
+
+
+class ExportError(T5CompressError):
+    """An export failed or did not match PyTorch within tolerance."""

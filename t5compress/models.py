@@ -1,0 +1,149 @@
+"""Loading T5-family checkpoints (local directories or hub ids), creating new ones, and saving model directories.
+
+Safety: weights are read from safetensors only, `trust_remote_code` is never passed, and nothing calls
+`torch.load` without `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from t5compress.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+T5_MODEL_TYPES = ("t5", "mt5", "umt5")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """Raise a one-line ModelError unless `path` is a local T5 model directory with safetensors weights."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelError(f"'{p}' is not a directory")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"'{p}' has no config.json: not a Hugging Face model directory")
+    import json
+
+    try:
+        model_type = json.loads((p / "config.json").read_text()).get("model_type")
+    except ValueError as e:
+        raise ModelError(f"'{p / 'config.json'}' is not valid JSON: {e}") from None
+    if model_type not in T5_MODEL_TYPES:
+        raise ModelError(f"'{p}' holds a {model_type!r} model; t5compress works on T5-family models ({', '.join(T5_MODEL_TYPES)})")
+    if not any((p / f).is_file() for f in _WEIGHT_FILES):
+        if (p / "pytorch_model.bin").is_file():
+            raise ModelError(
+                f"'{p}' has only pytorch_model.bin; t5compress loads safetensors only "
+                "(convert with model.save_pretrained(dir, safe_serialization=True))"
+            )
+        raise ModelError(f"'{p}' has no model.safetensors: no weights to load")
+    return p
+
+
+def is_local(src: str | os.PathLike) -> bool:
+    s = str(src)
+    return Path(s).exists() or s.startswith((".", "/", "~")) or os.sep + os.sep in s
+
+
+def load_model(src: str | os.PathLike, dtype: Any = None):
+    """Load a T5ForConditionalGeneration from a local directory or a hub id (safetensors only)."""
+    from transformers import T5ForConditionalGeneration
+
+    if is_local(src):
+        check_model_dir(src)
+        kwargs: dict[str, Any] = {}
+    else:
+        kwargs = _hub_kwargs(str(src))
+    try:
+        model = T5ForConditionalGeneration.from_pretrained(str(src), use_safetensors=True, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load model {str(src)!r}: {_first_line(e)}") from e
+    model.eval()
+    return model
+
+
+def load_tokenizer(src: str | os.PathLike):
+    """Load the tokenizer that travels with a model directory or hub checkpoint (a fast one when possible)."""
+    from transformers import AutoTokenizer
+
+    kwargs = {} if is_local(src) else _hub_kwargs(str(src))
+    try:
+        return AutoTokenizer.from_pretrained(str(src), **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of {str(src)!r}: {_first_line(e)}") from e
+
+
+def _hub_kwargs(repo_id: str) -> dict[str, Any]:
+    """Prefer the local cache; with no network and no cache, fail with one line instead of retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        return {"local_files_only": True}
+    try:
+        import socket
+
+        socket.getaddrinfo("huggingface.co", 443)
+    except OSError:
+        raise ModelError(
+            f"{repo_id!r} is not a local directory and the Hugging Face Hub cannot be reached (no network); "
+            "pass a local model directory"
+        ) from None
+    return {}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def create_model(arch: str, vocab_size: int, overrides: dict[str, Any] | None = None, seed: int = 0):
+    """A new, randomly initialised T5 of a named architecture (see `t5compress.architectures`)."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from t5compress.architectures import architecture
+
+    kwargs = architecture(arch, overrides)
+    kwargs.setdefault("vocab_size", vocab_size)
+    config = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **kwargs)
+    torch.manual_seed(seed)
+    return T5ForConditionalGeneration(config).eval()
+
+
+def count_parameters(model) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def save_model_dir(model, tokenizer, out: Path) -> None:
+    """Write a plain Hugging Face model directory: config, safetensors weights, generation config, tokenizer."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_model_config(model.config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if not (out / "tokenizer.json").is_file():
+        log.warning("tokenizer of type %s has no fast version; %s has no tokenizer.json", type(tokenizer).__name__, out)
+
+
+def describe(model) -> dict[str, Any]:
+    """Architecture summary used in reports and by `t5compress info`."""
+    c = model.config
+    return {
+        "model_type": c.model_type,
+        "parameters": count_parameters(model),
+        "encoder_layers": c.num_layers,
+        "decoder_layers": c.num_decoder_layers,
+        "d_model": c.d_model,
+        "d_ff": c.d_ff,
+        "d_kv": c.d_kv,
+        "num_heads": c.num_heads,
+        "feed_forward_proj": c.feed_forward_proj,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "vocab_size": c.vocab_size,
+    }

@@ -1,0 +1,37 @@
+"""The exported graphs' file and tensor names (Hugging Face optimum's seq2seq convention), declared once.
+
+Pure Python on purpose: the exporter (torch) and the runtime (numpy + onnxruntime only) both import it.
+"""
+
+from __future__ import annotations
+
+ENCODER = "encoder_model"
+DECODER = "decoder_model"  # first step: no past, returns the self- and cross-attention cache
+DECODER_WITH_PAST = "decoder_with_past_model"  # later steps: one token in, past cache in, new self cache out
+DECODER_MERGED = "decoder_model_merged"  # optional: one graph, switches on `use_cache_branch`
+GRAPHS = (ENCODER, DECODER, DECODER_WITH_PAST)
+
+ONNX_SUFFIX = ".onnx"
+TORCHSCRIPT_SUFFIX = ".pt"
+
+# The one vocabulary of dynamic axis names.
+BATCH = "batch_size"
+ENC_LEN = "encoder_sequence_length"
+DEC_LEN = "decoder_sequence_length"
+PAST_DEC_LEN = "past_decoder_sequence_length"
+ENC_LEN_OUT = "encoder_sequence_length_out"
+PAST_DEC_LEN_OUT = "past_decoder_sequence_length + 1"
+
+
+def past_names(num_decoder_layers: int, prefix: str = "past_key_values", cross: bool = True) -> list[str]:
+    """Cache tensor names in optimum's order: per layer decoder key, decoder value, encoder key, encoder value."""
+    names = []
+    for i in range(num_decoder_layers):
+        names += [f"{prefix}.{i}.decoder.key", f"{prefix}.{i}.decoder.value"]
+        if cross:
+            names += [f"{prefix}.{i}.encoder.key", f"{prefix}.{i}.encoder.value"]
+    return names
+
+
+def present_names(num_decoder_layers: int, cross: bool = True) -> list[str]:
+    return past_names(num_decoder_layers, prefix="present", cross=cross)
