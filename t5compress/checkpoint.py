@@ -1,0 +1,97 @@
+"""Resumable training checkpoints, written atomically.
+
+Layout of a run's work directory (`OUT.partial/` beside the final output):
+    ckpt-0000050/   model.safetensors, optimizer.pt, scheduler.pt, rng.pt, state.json
+    latest.json     {"checkpoint": "ckpt-0000050"}   (replaced atomically after the checkpoint is complete)
+    best/           the best model so far (model.safetensors + state.json)
+A checkpoint is built in a temporary directory and renamed; `latest.json` then points at it; only then are older
+checkpoints deleted. A kill -9 at any moment leaves a complete checkpoint that `latest.json` names.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from t5compress.artifacts import read_json, write_json
+from t5compress.errors import OutputError
+
+LATEST = "latest.json"
+
+
+def _stage_dir(workdir: Path, final: Path, write) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=workdir))
+    try:
+        write(tmp)
+        if final.exists():
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_weights(model, directory: Path) -> None:
+    # save_model de-duplicates tied tensors (shared embedding / lm_head), which save_file refuses.
+    safetensors.torch.save_model(model, str(directory / "model.safetensors"))
+
+
+def load_weights(model, directory: Path) -> None:
+    safetensors.torch.load_model(model, str(directory / "model.safetensors"))
+
+
+def save_checkpoint(workdir: Path, model, optimizer, scheduler, state: dict, keep: int = 1) -> Path:
+    """Write checkpoint `ckpt-{step}` and point `latest.json` at it; delete older checkpoints beyond `keep`."""
+    name = f"ckpt-{state['step']:07d}"
+
+    def write(d: Path) -> None:
+        save_weights(model, d)
+        torch.save(optimizer.state_dict(), d / "optimizer.pt")
+        torch.save(scheduler.state_dict(), d / "scheduler.pt")
+        torch.save({"torch": torch.get_rng_state()}, d / "rng.pt")
+        (d / "state.json").write_text(json.dumps(state, indent=1))
+
+    _stage_dir(workdir, workdir / name, write)
+    write_json(workdir / LATEST, {"checkpoint": name})
+    for old in sorted(workdir.glob("ckpt-*"))[:-keep]:
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return workdir / name
+
+
+def load_checkpoint(workdir: Path, model, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and RNG from the latest checkpoint; return its training state."""
+    latest = read_json(workdir / LATEST)
+    if not latest or not (workdir / latest["checkpoint"]).is_dir():
+        raise OutputError(f"nothing to resume in '{workdir}': no complete checkpoint; run again without --resume")
+    d = workdir / latest["checkpoint"]
+    load_weights(model, d)
+    optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
+    torch.set_rng_state(torch.load(d / "rng.pt", weights_only=True)["torch"])
+    return json.loads((d / "state.json").read_text())
+
+
+def save_best(workdir: Path, model, info: dict) -> None:
+    def write(d: Path) -> None:
+        save_weights(model, d)
+        (d / "state.json").write_text(json.dumps(info, indent=1))
+
+    _stage_dir(workdir, workdir / "best", write)
+
+
+def load_best(workdir: Path, model) -> dict | None:
+    d = workdir / "best"
+    if not (d / "model.safetensors").is_file():
+        return None
+    load_weights(model, d)
+    return json.loads((d / "state.json").read_text())

@@ -1,0 +1,55 @@
+"""The `create` stage: a new, randomly initialised T5 of a named architecture, with a tokenizer, as a model dir."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from t5compress import artifacts
+from t5compress.architectures import DEFAULT_VOCAB_SIZE
+from t5compress.config import option, require
+from t5compress.data import DataConfig, load_examples
+from t5compress.models import create_model, describe, save_model_dir
+from t5compress.tokenization import TOKENIZERS, new_tokenizer
+
+
+@dataclass(frozen=True)
+class CreateConfig:
+    arch: str = option("t5-efficient-tiny", "Architecture: t5-small, flan-t5-small, t5-efficient-small-el2, ...")
+    tokenizer: str = option("unigram", "New tokenizer: unigram (SentencePiece, trained on --text) or byte.")
+    text: str | None = option(None, "Text to train the unigram tokenizer on (a data file; sources and targets).")
+    vocab_size: int = option(8000, "Upper bound on unigram pieces (fewer are kept when the text is small).")
+    overrides: dict[str, Any] = field(default_factory=dict, metadata={"help": "T5Config fields to override."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "How --text records are read."})
+    seed: int = option(0, "Seed of the random initialisation.")
+
+    def __post_init__(self) -> None:
+        require(self.tokenizer in TOKENIZERS, "tokenizer", f"choose one of {', '.join(TOKENIZERS)}")
+        require(self.tokenizer != "unigram" or bool(self.text), "text", "a unigram tokenizer needs --text to train on")
+        require(self.vocab_size > 8, "vocab_size", "must be > 8")
+
+
+def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
+    """Build the tokenizer and the model, and write them as a Hugging Face model directory."""
+    from t5compress.architectures import architecture
+
+    artifacts.check_output(out, force)
+    architecture(cfg.arch, cfg.overrides)  # fail on a bad name before training a tokenizer
+    texts: list[str] = []
+    if cfg.text:
+        for ex in load_examples(cfg.text, cfg.data):
+            texts += [cfg.data.prefix + ex.source, ex.target]
+    tokenizer = new_tokenizer(cfg.tokenizer, texts, vocab_size=cfg.vocab_size)
+    vocab = len(tokenizer)
+    vocab = (vocab + 127) // 128 * 128 if cfg.tokenizer == "unigram" else vocab  # T5 pads to a multiple of 128
+    overrides = {"vocab_size": vocab, **cfg.overrides}
+    require(overrides["vocab_size"] >= len(tokenizer), "overrides", f"vocab_size must be >= {len(tokenizer)} tokens")
+    model = create_model(cfg.arch, DEFAULT_VOCAB_SIZE, overrides, seed=cfg.seed)
+    report = {"stage": "create", "model": describe(model), "tokenizer": {"kind": cfg.tokenizer, "size": len(tokenizer)}}
+    with artifacts.staged_output(out, force) as tmp:
+        save_model_dir(model, tokenizer, tmp)
+        artifacts.write_meta(tmp, "create", dataclasses.asdict(cfg), parent=None)
+        artifacts.write_report(tmp, report)
+    return report

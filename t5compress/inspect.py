@@ -1,0 +1,107 @@
+"""What a model or export directory holds: architecture, parameters, size on disk, lineage and reported metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
+from t5compress.errors import ModelError
+from t5compress.names import GRAPHS, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+
+_ARCH_KEYS = ("model_type", "num_layers", "num_decoder_layers", "d_model", "d_ff", "d_kv", "num_heads",
+              "feed_forward_proj", "tie_word_embeddings", "vocab_size")
+
+
+def _kind(p: Path) -> str:
+    if any((p / f"{g}{ONNX_SUFFIX}").is_file() for g in GRAPHS):
+        return "onnx export"
+    if any((p / f"{g}{TORCHSCRIPT_SUFFIX}").is_file() for g in GRAPHS):
+        return "torchscript export"
+    if (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
+        return "model"
+    raise ModelError(f"'{p}' is neither a model directory (model.safetensors) nor an export directory (*.onnx, *.pt)")
+
+
+def _parameters(p: Path) -> int | None:
+    """Count parameters from the safetensors header only (no weights are read)."""
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        return None
+    total, seen = 0, set()
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__" or name in seen:
+                continue
+            seen.add(name)
+            count = 1
+            for d in t["shape"]:
+                count *= d
+            total += count
+    return total
+
+
+def inspect_dir(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelError(f"'{p}' is not a directory")
+    kind = _kind(p)
+    config = read_json(p / "config.json") or {}
+    files = {f.name: f.stat().st_size for f in sorted(p.iterdir()) if f.is_file()}
+    meta = read_json(p / META_FILE)
+    report = read_json(p / REPORT_FILE)
+    return {
+        "path": str(p),
+        "kind": kind,
+        "architecture": {k: config[k] for k in _ARCH_KEYS if k in config},
+        "parameters": _parameters(p),
+        "size_bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()),
+        "files": files,
+        "lineage": None if meta is None else {"stage": meta.get("stage"), "created": meta.get("created"),
+                                               "parent": meta.get("parent")},
+        "report": report,
+    }
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _metric_rows(report: dict) -> list[tuple[str, str]]:
+    rows = []
+    ev = report.get("eval") or {}
+    for k in ("loss", "exact_match", "rougeL", "bleu", "examples", "step"):
+        if k in ev:
+            rows.append((f"eval {k}", str(ev[k])))
+    for k, v in (report.get("parity") or {}).items():
+        rows.append((f"parity {k}", str(v)))
+    return rows
+
+
+def render(data: dict[str, Any], console) -> None:
+    """Print the inspection as rich tables."""
+    from rich.table import Table
+
+    t = Table(title=f"{data['path']} ({data['kind']})", show_header=False, title_justify="left")
+    for k, v in data["architecture"].items():
+        t.add_row(k, str(v))
+    if data["parameters"] is not None:
+        t.add_row("parameters", f"{data['parameters']:,} ({data['parameters'] / 1e6:.2f}M)")
+    t.add_row("size on disk", _human(data["size_bytes"]))
+    lin = data["lineage"]
+    if lin:
+        parent = (lin.get("parent") or {}).get("path", "-")
+        t.add_row("made by", f"{lin['stage']} at {lin['created']} from {parent}")
+    else:
+        t.add_row("made by", "not t5compress (no t5compress.json)")
+    for k, v in _metric_rows(data["report"] or {}):
+        t.add_row(k, v)
+    console.print(t)

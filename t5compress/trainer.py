@@ -1,0 +1,280 @@
+"""The shared training loop: fine-tuning, and later QAT, recovery after pruning and distillation, all run through it.
+
+It works unchanged on one CPU, one GPU, or several GPUs under `accelerate launch` (DDP: each process takes every
+world_size-th batch; checkpoints and evaluation happen on the main process).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from t5compress import checkpoint as ckpt
+from t5compress.config import choose, option, require
+from t5compress.data import Encoded, Example, batch_order, collate
+from t5compress.evaluation import evaluate, token_loss
+
+log = logging.getLogger(__name__)
+
+
+def _adamw(params, cfg):
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _adafactor(params, cfg):
+    from transformers.optimization import Adafactor
+
+    # External learning rate (the schedule below drives it), as in T5 fine-tuning recipes.
+    return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, relative_step=False, scale_parameter=False)
+
+
+OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adafactor": _adafactor}
+
+
+def _cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _inverse_sqrt(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return math.sqrt(max(warmup, 1)) / math.sqrt(max(step, warmup, 1))
+
+
+def _constant(step: int, warmup: int, total: int) -> float:
+    return (step + 1) / warmup if step < warmup else 1.0
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], float]] = {
+    "cosine": _cosine,
+    "inverse_sqrt": _inverse_sqrt,
+    "constant": _constant,
+}
+PRECISIONS = ("auto", "fp32", "bf16")
+BEST_METRICS = ("loss", "exact_match", "rougeL", "bleu")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = option(0, "Optimizer steps to run; 0 means --epochs passes over the training data.")
+    epochs: int = option(3, "Passes over the training data when --max-steps is 0.")
+    batch_size: int = option(16, "Examples per batch (per process).")
+    grad_accum: int = option(1, "Batches accumulated per optimizer step.")
+    optimizer: str = option("adamw", "Optimizer: adamw or adafactor.")
+    lr: float = option(5e-4, "Peak learning rate.")
+    weight_decay: float = option(0.0, "Weight decay.")
+    schedule: str = option("cosine", "Learning-rate schedule after warm-up: cosine, inverse_sqrt or constant.")
+    warmup_steps: int = option(-1, "Linear warm-up steps; -1 means 5% of the run.")
+    label_smoothing: float = option(0.0, "Label smoothing of the cross-entropy loss.")
+    max_grad_norm: float = option(1.0, "Clip the gradient norm to this value; 0 disables clipping.")
+    precision: str = option("auto", "auto (bf16 where the GPU supports it, else fp32), fp32 or bf16.")
+    eval_every: int = option(200, "Evaluate every N optimizer steps (0: only at the end).")
+    eval_max_examples: int = option(500, "Evaluate on at most this many held-out examples.")
+    eval_batch_size: int = option(32, "Batch size for evaluation and generation.")
+    eval_num_beams: int = option(1, "Beams used to generate during evaluation.")
+    eval_max_new_tokens: int = option(0, "Max generated tokens in evaluation; 0 means the data's max target length.")
+    metric: str = option("rougeL", "Metric that picks the best checkpoint: loss, exact_match, rougeL or bleu.")
+    patience: int = option(0, "Stop after this many evaluations without improvement (0: no early stopping).")
+    save_every: int = option(0, "Write a resumable checkpoint every N steps; 0 means at every evaluation.")
+    bucket: bool = option(True, "Batch examples of similar length together (less padding).")
+    seed: int = option(0, "Random seed (initialisation, data order, dropout).")
+
+    def __post_init__(self) -> None:
+        require(self.max_steps >= 0, "max_steps", "must be >= 0")
+        require(self.epochs > 0 or self.max_steps > 0, "epochs", "must be > 0 when max_steps is 0")
+        require(self.batch_size > 0, "batch_size", "must be > 0")
+        require(self.grad_accum > 0, "grad_accum", "must be > 0")
+        require(self.lr > 0, "lr", "must be > 0")
+        require(0 <= self.label_smoothing < 1, "label_smoothing", "must be in [0, 1)")
+        require(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
+        require(self.eval_every >= 0 and self.save_every >= 0, "eval_every", "must be >= 0")
+        require(self.patience >= 0, "patience", "must be >= 0")
+        require(self.precision in PRECISIONS, "precision", f"choose one of {', '.join(PRECISIONS)}")
+        require(self.metric in BEST_METRICS, "metric", f"choose one of {', '.join(BEST_METRICS)}")
+        choose(OPTIMIZERS, self.optimizer, "optimizer")
+        choose(SCHEDULES, self.schedule, "schedule")
+
+
+@dataclass
+class EvalSet:
+    examples: list[Example]
+    encoded: Encoded
+    max_new_tokens: int
+
+
+def total_steps(cfg: TrainConfig, n_examples: int, world: int = 1) -> int:
+    if cfg.max_steps:
+        return cfg.max_steps
+    batches = math.ceil(n_examples / cfg.batch_size) // world
+    return max(1, cfg.epochs * max(1, batches // cfg.grad_accum))
+
+
+def _batches(train: Encoded, cfg: TrainConfig, epoch: int, pos: int, rank: int, world: int) -> Iterator[tuple]:
+    """Endless (epoch, position, indices) stream, deterministic in (seed, epoch), resumable at (epoch, pos)."""
+    lengths = [len(x) for x in train.input_ids]
+    while True:
+        order = batch_order(lengths, cfg.batch_size, seed=cfg.seed, epoch=epoch, bucket=cfg.bucket)
+        order = order[: len(order) // world * world][rank::world] if world > 1 else order
+        for i in range(pos, len(order)):
+            yield epoch, i + 1, order[i]
+        epoch, pos = epoch + 1, 0
+
+
+def _mixed_precision(cfg: TrainConfig) -> str:
+    bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_ok):
+        return "bf16"
+    return "no"
+
+
+def _is_better(metric: str, value: float, best: float | None) -> bool:
+    if best is None:
+        return True
+    return value < best if metric == "loss" else value > best
+
+
+def fit(
+    model,
+    tokenizer,
+    train: Encoded,
+    evalset: EvalSet | None,
+    cfg: TrainConfig,
+    workdir: Path,
+    resume: bool = False,
+    loss_fn: Callable = token_loss,
+    progress: bool = True,
+    on_step: Callable[[dict], None] | None = None,
+) -> dict:
+    """Train `model` in place; checkpoints go to `workdir`. Returns the training summary and evaluation history."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(mixed_precision=_mixed_precision(cfg))
+    torch.manual_seed(cfg.seed)
+    steps = total_steps(cfg, len(train.input_ids), acc.num_processes)
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, steps // 20)
+    optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg)
+    schedule = SCHEDULES[cfg.schedule]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, warmup, steps))
+    state = {"step": 0, "epoch": 0, "pos": 0, "best": None, "best_step": None, "bad_evals": 0, "history": []}
+    if resume:
+        state = ckpt.load_checkpoint(workdir, model, optimizer, scheduler)
+        log.info("resuming at step %d (epoch %d, batch %d)", state["step"], state["epoch"], state["pos"])
+    model, optimizer = acc.prepare(model, optimizer)
+    stream = _batches(train, cfg, state["epoch"], state["pos"], acc.process_index, acc.num_processes)
+    save_every = cfg.save_every or cfg.eval_every or steps
+    pad = tokenizer.pad_token_id
+    t0, seen, start_step = time.perf_counter(), 0, state["step"]
+    with _Progress(progress and acc.is_main_process, steps, state["step"]) as bar:
+        while state["step"] < steps:
+            model.train()
+            loss_sum = 0.0
+            for _ in range(cfg.grad_accum):
+                epoch, pos, idx = next(stream)
+                batch = {k: v.to(acc.device) for k, v in collate(train, idx, pad).items()}
+                with acc.autocast():
+                    loss = loss_fn(model, batch, cfg.label_smoothing) / cfg.grad_accum
+                acc.backward(loss)
+                loss_sum += float(loss)
+                seen += len(idx)
+            if cfg.max_grad_norm:
+                acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.update(step=state["step"] + 1, epoch=epoch, pos=pos, loss=round(loss_sum, 5))
+            step, lr = state["step"], scheduler.get_last_lr()[0]
+            rate = seen * acc.num_processes / (time.perf_counter() - t0)
+            bar.advance(loss_sum, lr, rate)
+            stop = False
+            if evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == steps):
+                stop = _evaluate(acc, model, tokenizer, evalset, cfg, state, workdir, lr)
+                if acc.is_main_process:
+                    bar.note(state["history"][-1])
+            if acc.is_main_process and (step % save_every == 0 or stop or step == steps):
+                ckpt.save_checkpoint(workdir, acc.unwrap_model(model), optimizer, scheduler, state)
+            acc.wait_for_everyone()
+            if on_step is not None:
+                on_step(state)
+            if stop:
+                log.info("early stopping at step %d: no improvement in %d evaluations", step, cfg.patience)
+                break
+    elapsed = time.perf_counter() - t0
+    return {
+        "steps": state["step"],
+        "planned_steps": steps,
+        "warmup_steps": warmup,
+        "stopped_early": state["step"] < steps,
+        "final_train_loss": state.get("loss"),
+        "best_step": state["best_step"],
+        "best_" + cfg.metric: state["best"],
+        "seconds": round(elapsed, 1),
+        "examples_per_second": round(seen * acc.num_processes / max(elapsed, 1e-9), 1),
+        "resumed_from_step": start_step if resume else None,
+        "history": state["history"],
+    }
+
+
+def _evaluate(acc, model, tokenizer, evalset: EvalSet, cfg: TrainConfig, state: dict, workdir: Path, lr: float) -> bool:
+    """Evaluate on the main process, keep the best weights, and agree across processes on early stopping."""
+    stop = False
+    if acc.is_main_process:
+        inner = acc.unwrap_model(model)
+        result = evaluate(
+            inner, tokenizer, evalset.examples, evalset.encoded, cfg.eval_batch_size, evalset.max_new_tokens,
+            cfg.eval_num_beams, device=acc.device,
+        )
+        entry = {"step": state["step"], "train_loss": state.get("loss"), "lr": lr}
+        entry.update({k: v for k, v in result.items() if k != "samples"})
+        state["history"].append(entry)
+        value = result[cfg.metric]
+        if _is_better(cfg.metric, value, state["best"]):
+            state.update(best=value, best_step=state["step"], bad_evals=0)
+            ckpt.save_best(workdir, inner, {"step": state["step"], **result})
+        else:
+            state["bad_evals"] += 1
+        stop = bool(cfg.patience) and state["bad_evals"] >= cfg.patience
+    if acc.num_processes > 1:
+        flag = acc.reduce(torch.tensor([int(stop)], device=acc.device), reduction="sum")
+        stop = bool(flag.item())
+    return stop
+
+
+class _Progress:
+    """A rich progress bar with loss, learning rate and throughput (or nothing, when disabled)."""
+
+    def __init__(self, enabled: bool, total: int, done: int) -> None:
+        self.enabled, self.total, self.done = enabled, total, done
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"), transient=False,
+            )
+            self.bar.__enter__()
+            self.task = self.bar.add_task("train", total=self.total, completed=self.done, info="")
+        return self
+
+    def advance(self, loss: float, lr: float, rate: float) -> None:
+        if self.enabled:
+            self.bar.update(self.task, advance=1, info=f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} ex/s")
+
+    def note(self, entry: dict) -> None:
+        if self.enabled:
+            shown = {k: entry[k] for k in ("step", "loss", "exact_match", "rougeL", "bleu") if k in entry}
+            self.bar.console.print("eval " + "  ".join(f"{k} {v}" for k, v in shown.items()), highlight=False)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.bar.__exit__(*exc)

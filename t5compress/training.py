@@ -1,0 +1,94 @@
+"""The `train` stage: fine-tune a T5-family checkpoint on text-to-text data and write a model directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from t5compress import artifacts
+from t5compress.artifacts import read_json, write_json
+from t5compress.config import option, require
+from t5compress.data import DataConfig, encode, load_splits
+from t5compress.errors import OutputError
+from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
+from t5compress.trainer import EvalSet, TrainConfig, fit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    train_data: str = option(help="Training data: JSONL, CSV/TSV, a datasets directory or a dataset name.")
+    eval_data: str | None = option(None, "Held-out data; default: a split of the training data.")
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "How records are read and tokenized."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation settings."})
+
+    def __post_init__(self) -> None:
+        require(bool(self.train_data), "train_data", "give a training data file or dataset")
+
+
+def workdir_of(out: Path) -> Path:
+    """Checkpoints of an unfinished run live beside the output, so `--resume` finds them after a kill -9."""
+    return out.with_name(out.name + ".partial")
+
+
+def _prepare_workdir(out: Path, cfg: FinetuneConfig, force: bool, resume: bool) -> Path:
+    artifacts.check_output(out, force)
+    work = workdir_of(out)
+    saved = read_json(work / "run.json")
+    if resume:
+        if saved is None:
+            raise OutputError(f"nothing to resume: '{work}' does not exist; run again without --resume")
+        if saved["config"] != dataclasses.asdict(cfg):
+            raise OutputError(f"'{work}' was started with other options; resume with the same options or use --force")
+        return work
+    if work.exists():
+        if not force:
+            raise OutputError(f"an interrupted run left '{work}'; pass --resume to continue it or --force to start over")
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    write_json(work / "run.json", {"config": dataclasses.asdict(cfg)})
+    return work
+
+
+def run(
+    src: str, cfg: FinetuneConfig, out: str | Path, force: bool = False, resume: bool = False, progress: bool = True,
+    on_step=None,
+) -> dict:
+    """Fine-tune `src` (model dir or hub id) and write the best model to `out`. Returns the report."""
+    out = artifacts.check_output(out, force)
+    model = load_model(src)
+    tokenizer = load_tokenizer(src)
+    train_ex, eval_ex, data_stats = load_splits(cfg.train_data, cfg.eval_data, cfg.data)
+    work = _prepare_workdir(out, cfg, force, resume)
+    eval_ex = eval_ex[: cfg.train.eval_max_examples]
+    train_enc, eval_enc = encode(train_ex, tokenizer, cfg.data), encode(eval_ex, tokenizer, cfg.data)
+    max_new = cfg.train.eval_max_new_tokens or max(len(x) for x in eval_enc.labels)
+    evalset = EvalSet(eval_ex, eval_enc, max_new)
+    summary = fit(model, tokenizer, train_enc, evalset, cfg.train, work, resume, progress=progress, on_step=on_step)
+    best = _load_best(model, work)
+    report = {
+        "stage": "train",
+        "model": describe(model),
+        "data": {**data_stats, "train_tokens": train_enc.stats, "eval_tokens": eval_enc.stats},
+        "train": summary,
+        "eval": best,
+    }
+    with artifacts.staged_output(out, force=True) as tmp:
+        save_model_dir(model, tokenizer, tmp)
+        artifacts.write_meta(tmp, "train", dataclasses.asdict(cfg), parent=src)
+        artifacts.write_report(tmp, report)
+    shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _load_best(model, work: Path) -> dict | None:
+    from t5compress.checkpoint import load_best
+
+    best = load_best(work, model)
+    if best is not None:
+        log.info("kept the best checkpoint: step %s", best.get("step"))
+    return best

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny real T5 models (built from T5Config, no network) and small generated datasets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_tiny_t5(path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random T5 with a byte tokenizer to `path` (safetensors, like any model directory)."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from t5compress.models import save_model_dir
+    from t5compress.tokenization import byte_level
+
+    tok = byte_level()
+    kwargs = dict(vocab_size=len(tok), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
+                  decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(T5Config(**kwargs)).eval()
+    with torch.no_grad():  # plain random init can decode one token forever; a smaller embedding varies the output
+        model.shared.weight.mul_(0.3)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model_dir(model, tok, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """T5 v1.0 style: relu FFN, tied embeddings."""
+    return build_tiny_t5(tmp_path_factory.mktemp("models") / "tiny-relu")
+
+
+@pytest.fixture(scope="session")
+def tiny_gated_dir(tmp_path_factory) -> Path:
+    """T5 v1.1 / Flan style: gated-gelu FFN, untied embeddings."""
+    return build_tiny_t5(
+        tmp_path_factory.mktemp("models") / "tiny-gated", seed=1, feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def demo_jsonl(tmp_path_factory) -> Path:
+    """A few hundred examples of the demo task as JSON Lines."""
+    from t5compress.demo import make_examples, write_jsonl
+
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    write_jsonl(path, make_examples(240, seed=0))
+    return path
