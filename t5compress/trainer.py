@@ -183,7 +183,7 @@ def fit(
                 with acc.autocast():
                     loss = loss_fn(model, batch, cfg.label_smoothing) / cfg.grad_accum
                 acc.backward(loss)
-                loss_sum += float(loss)
+                loss_sum += float(loss.detach())
                 seen += len(idx)
             if cfg.max_grad_norm:
                 acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
