@@ -47,7 +47,8 @@ def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
     overrides = {"vocab_size": vocab, **cfg.overrides}
     require(overrides["vocab_size"] >= len(tokenizer), "overrides", f"vocab_size must be >= {len(tokenizer)} tokens")
     model = create_model(cfg.arch, DEFAULT_VOCAB_SIZE, overrides, seed=cfg.seed)
-    report = {"stage": "create", "model": describe(model), "tokenizer": {"kind": cfg.tokenizer, "size": len(tokenizer)}}
+    tok_info = {"kind": cfg.tokenizer, "size": len(tokenizer)}
+    report = {"stage": "create", "model": describe(model), "tokenizer": tok_info}
     with artifacts.staged_output(out, force) as tmp:
         save_model_dir(model, tokenizer, tmp)
         artifacts.write_meta(tmp, "create", dataclasses.asdict(cfg), parent=None)

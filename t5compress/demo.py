@@ -1,8 +1,10 @@
 """The embedded default: a small T5 built, fine-tuned, evaluated and shipped on data generated here (no download).
 
-The task mixes two text-to-text problems with T5-style prefixes, small enough to learn in minutes on two CPU cores:
-    "spell: 4071"                 -> "four zero seven one"
-    "reverse: red apple stone"    -> "stone apple red"
+The task mixes two text-to-text problems with T5-style prefixes, small enough to learn in minutes on two CPU cores
+(both order their output by content, which a tiny T5 with only relative positions learns much faster than copying
+in order):
+    "spell sorted: 4071"          -> "zero one four seven"
+    "sort words: red apple stone" -> "apple red stone"
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ def make_examples(n: int, seed: int) -> list[dict[str, str]]:
     out = []
     for i in range(n):
         if i % 2 == 0:
-            digits = [rng.randrange(10) for _ in range(rng.randint(2, 7))]
-            out.append({"source": "spell: " + "".join(map(str, digits)), "target": " ".join(_DIGITS[d] for d in digits)})
+            digits = rng.sample(range(10), rng.randint(2, 7))
+            out.append({"source": "spell sorted: " + "".join(map(str, digits)),
+                        "target": " ".join(_DIGITS[d] for d in sorted(digits))})
         else:
-            words = [rng.choice(_WORDS) for _ in range(rng.randint(2, 6))]
-            out.append({"source": "reverse: " + " ".join(words), "target": " ".join(reversed(words))})
+            words = rng.sample(_WORDS, rng.randint(2, 6))
+            out.append({"source": "sort words: " + " ".join(words), "target": " ".join(sorted(words))})
     return out
 
 
@@ -55,7 +58,7 @@ class DemoConfig:
     layers: int = option(2, "Encoder and decoder layers.")
     max_steps: int = option(800, "Fine-tuning steps.")
     batch_size: int = option(32, "Batch size.")
-    lr: float = option(2e-3, "Peak learning rate.")
+    lr: float = option(1e-3, "Peak learning rate.")
     seed: int = option(0, "Seed for data, initialisation and training.")
 
     def __post_init__(self) -> None:
@@ -88,7 +91,8 @@ def run(cfg: DemoConfig, out: str | Path, force: bool = False, progress: bool = 
             train_data=str(out / "data" / "train.jsonl"),
             eval_data=str(out / "data" / "eval.jsonl"),
             data=DataConfig(max_source_length=32, max_target_length=32),
-            train=TrainConfig(max_steps=cfg.max_steps, batch_size=cfg.batch_size, lr=cfg.lr, eval_every=cfg.max_steps // 4,
+            train=TrainConfig(max_steps=cfg.max_steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                              eval_every=cfg.max_steps // 4,
                               metric="exact_match", seed=cfg.seed),
         )
         trained = training.run(str(out / "model-init"), ft, out / "model", progress=progress)

@@ -68,7 +68,6 @@ def evaluate(
     result = {"loss": round(loss_sum / max(tokens, 1), 4)}
     result.update(metrics.compute(predictions, [e.target for e in examples]))
     result["examples"] = len(examples)
-    result["samples"] = [
-        {"source": e.source, "target": e.target, "prediction": p} for e, p in list(zip(examples, predictions))[:3]
-    ]
+    pairs = list(zip(examples, predictions, strict=True))[:3]
+    result["samples"] = [{"source": e.source, "target": e.target, "prediction": p} for e, p in pairs]
     return result

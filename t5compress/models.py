@@ -33,7 +33,8 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     except ValueError as e:
         raise ModelError(f"'{p / 'config.json'}' is not valid JSON: {e}") from None
     if model_type not in T5_MODEL_TYPES:
-        raise ModelError(f"'{p}' holds a {model_type!r} model; t5compress works on T5-family models ({', '.join(T5_MODEL_TYPES)})")
+        families = ", ".join(T5_MODEL_TYPES)
+        raise ModelError(f"'{p}' holds a {model_type!r} model; t5compress works on T5-family models ({families})")
     if not any((p / f).is_file() for f in _WEIGHT_FILES):
         if (p / "pytorch_model.bin").is_file():
             raise ModelError(
@@ -128,7 +129,7 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     if not (out / "tokenizer.json").is_file():
-        log.warning("tokenizer of type %s has no fast version; %s has no tokenizer.json", type(tokenizer).__name__, out)
+        log.warning("tokenizer %s has no fast version; %s has no tokenizer.json", type(tokenizer).__name__, out)
 
 
 def describe(model) -> dict[str, Any]:

@@ -42,6 +42,7 @@ def train_unigram(texts: Iterable[str], vocab_size: int = 8000, extra_ids: int =
         character_coverage=1.0,
         hard_vocab_limit=False,
         byte_fallback=False,
+        split_digits=True,  # digits as single pieces: numbers are spelled consistently, not memorised
         minloglevel=2,
     )
     with tempfile.TemporaryDirectory() as d:
@@ -49,7 +50,12 @@ def train_unigram(texts: Iterable[str], vocab_size: int = 8000, extra_ids: int =
         with open(path, "wb") as f:
             f.write(model.getvalue())
         slow = T5Tokenizer(vocab_file=path, extra_ids=extra_ids, legacy=False)
-        fast = T5TokenizerFast(vocab_file=path, extra_ids=extra_ids, legacy=False, from_slow=True)
+        # add_prefix_space: the first word gets its "▁" like every other word, as in T5's own tokenizer. The
+        # converted tokenizer.json carries that; dropping the kwarg keeps reloads from re-converting from spiece.model.
+        fast = T5TokenizerFast(
+            vocab_file=path, extra_ids=extra_ids, legacy=False, from_slow=True, add_prefix_space=True
+        )
+        fast.init_kwargs.pop("add_prefix_space", None)
     log.info("trained a unigram tokenizer with %d pieces (+%d sentinels)", slow.sp_model.get_piece_size(), extra_ids)
     return fast
 

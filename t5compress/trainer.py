@@ -223,7 +223,9 @@ def fit(
     }
 
 
-def _evaluate(acc, model, tokenizer, evalset: EvalSet, cfg: TrainConfig, state: dict, workdir: Path, lr: float) -> bool:
+def _evaluate(
+    acc, model, tokenizer, evalset: EvalSet, cfg: TrainConfig, state: dict, workdir: Path, lr: float
+) -> bool:
     """Evaluate on the main process, keep the best weights, and agree across processes on early stopping."""
     stop = False
     if acc.is_main_process:

@@ -47,7 +47,7 @@ def _prepare_workdir(out: Path, cfg: FinetuneConfig, force: bool, resume: bool) 
         return work
     if work.exists():
         if not force:
-            raise OutputError(f"an interrupted run left '{work}'; pass --resume to continue it or --force to start over")
+            raise OutputError(f"an interrupted run left '{work}'; pass --resume to continue or --force to start over")
         shutil.rmtree(work)
     work.mkdir(parents=True)
     write_json(work / "run.json", {"config": dataclasses.asdict(cfg)})

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
+from conftest import build_tiny_t5
 from safetensors.torch import load_file
 
-from conftest import build_tiny_t5
 from t5compress import training
 from t5compress.data import DataConfig, encode, load_examples
 from t5compress.evaluation import evaluate

@@ -39,7 +39,8 @@ def _root(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False,
 ) -> None:
     _state["debug"] = debug
-    logging.basicConfig(level=logging.INFO if verbose or debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = logging.INFO if verbose or debug else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
 def command(fn):

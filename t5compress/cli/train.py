@@ -21,12 +21,14 @@ Prefix = Annotated[str, typer.Option(help=_h(D, "prefix"))]
 
 @command
 def create(
-    arch: Annotated[str, typer.Argument(help="Architecture name, e.g. t5-small, flan-t5-small, t5-efficient-small-el2.")],
+    arch: Annotated[str, typer.Argument(help="Architecture, e.g. t5-small, flan-t5-small, t5-efficient-small-el2.")],
     out: OutDir,
     text: Annotated[str | None, typer.Option(help="Data file whose sources and targets train the tokenizer.")] = None,
     tokenizer: Annotated[str, typer.Option(help="unigram (SentencePiece trained on --text) or byte.")] = "unigram",
     vocab_size: Annotated[int, typer.Option(help="Upper bound on unigram pieces.")] = 8000,
-    override: Annotated[list[str] | None, typer.Option("--override", "-o", help="T5Config field, e.g. -o d_model=256.")] = None,
+    override: Annotated[
+        list[str] | None, typer.Option("--override", "-o", help="T5Config field, e.g. -o d_model=256.")
+    ] = None,
     source_field: SourceField = _d(D, "source_field"),
     target_field: TargetField = _d(D, "target_field"),
     seed: Annotated[int, typer.Option(help="Seed of the random initialisation.")] = 0,
@@ -49,9 +51,9 @@ def create(
 @command
 def train(
     model: ModelDir,
-    data: Annotated[str, typer.Argument(help="Training data: .jsonl, .csv, .tsv, a datasets directory or dataset name.")],
+    data: Annotated[str, typer.Argument(help="Training data: .jsonl, .csv, .tsv, a datasets dir or dataset name.")],
     out: OutDir,
-    eval_data: Annotated[str | None, typer.Option("--eval", help="Held-out data (default: split off the training data).")] = None,
+    eval_data: Annotated[str | None, typer.Option("--eval", help="Held-out data (default: split off DATA).")] = None,
     source_field: SourceField = _d(D, "source_field"),
     target_field: TargetField = _d(D, "target_field"),
     prefix: Prefix = _d(D, "prefix"),
@@ -81,7 +83,7 @@ def train(
     save_every: Annotated[int, typer.Option(help=_h(T, "save_every"))] = _d(T, "save_every"),
     bucket: Annotated[bool, typer.Option(help=_h(T, "bucket"))] = _d(T, "bucket"),
     seed: Annotated[int, typer.Option(help=_h(T, "seed"))] = _d(T, "seed"),
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last checkpoint.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its checkpoint.")] = False,
     force: Force = False,
 ) -> None:
     """Fine-tune a T5-family checkpoint (local directory or hub id) on text-to-text data.
@@ -118,4 +120,5 @@ def print_train_summary(report: dict, out: Path) -> None:
     t.add_row(*(str(ev.get(k, "-")) for k in ("step", "loss", "exact_match", "rougeL", "bleu", "examples")))
     console.print(t)
     tr = report["train"]
-    console.print(f"{tr['steps']} steps in {tr['seconds']} s ({tr['examples_per_second']} examples/s) → [bold]{out}[/bold]")
+    rate = tr["examples_per_second"]
+    console.print(f"{tr['steps']} steps in {tr['seconds']} s ({rate} examples/s) → [bold]{out}[/bold]")
