@@ -13,17 +13,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from t5compress import checkpoint as ckpt
 from t5compress.config import choose, option, require
 from t5compress.data import Encoded, Example, batch_order, collate
-from t5compress.evaluation import evaluate, token_loss
 
 log = logging.getLogger(__name__)
 
 
 def _adamw(params, cfg):
+    import torch
+
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -130,6 +128,8 @@ def _batches(train: Encoded, cfg: TrainConfig, epoch: int, pos: int, rank: int, 
 
 
 def _mixed_precision(cfg: TrainConfig) -> str:
+    import torch
+
     bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_ok):
         return "bf16"
@@ -150,13 +150,18 @@ def fit(
     cfg: TrainConfig,
     workdir: Path,
     resume: bool = False,
-    loss_fn: Callable = token_loss,
+    loss_fn: Callable | None = None,
     progress: bool = True,
     on_step: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train `model` in place; checkpoints go to `workdir`. Returns the training summary and evaluation history."""
+    import torch
     from accelerate import Accelerator
 
+    from t5compress import checkpoint as ckpt
+    from t5compress.evaluation import token_loss
+
+    loss_fn = loss_fn or token_loss
     acc = Accelerator(mixed_precision=_mixed_precision(cfg))
     torch.manual_seed(cfg.seed)
     steps = total_steps(cfg, len(train.input_ids), acc.num_processes)
@@ -227,6 +232,11 @@ def _evaluate(
     acc, model, tokenizer, evalset: EvalSet, cfg: TrainConfig, state: dict, workdir: Path, lr: float
 ) -> bool:
     """Evaluate on the main process, keep the best weights, and agree across processes on early stopping."""
+    import torch
+
+    from t5compress import checkpoint as ckpt
+    from t5compress.evaluation import evaluate
+
     stop = False
     if acc.is_main_process:
         inner = acc.unwrap_model(model)
