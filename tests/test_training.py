@@ -119,3 +119,30 @@ def test_kill_9_then_resume_from_the_cli(tmp_path, demo_jsonl):
     a, b = _weights(tmp_path / "clean"), _weights(tmp_path / "killed")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
     assert torch.equal(a["shared.weight"], b["shared.weight"])
+
+
+def test_early_stopping_stops_after_patience_evaluations_without_improvement(tiny_model_dir, demo_jsonl, tmp_path):
+    # lr ~0: exact match stays at 0, so every evaluation after the first is "no improvement".
+    cfg = _cfg(demo_jsonl, max_steps=40, eval_every=2, patience=2, metric="exact_match", lr=1e-12)
+    report = training.run(str(tiny_model_dir), cfg, tmp_path / "es", progress=False)
+    assert report["train"]["stopped_early"] and report["train"]["steps"] == 6
+    assert [h["step"] for h in report["train"]["history"]] == [2, 4, 6]
+    assert report["eval"]["step"] == 2  # the best (first) checkpoint is the one kept
+
+
+def test_adafactor_inverse_sqrt_label_smoothing_and_accumulation_train(tiny_gated_dir, demo_jsonl, tmp_path):
+    cfg = _cfg(demo_jsonl, max_steps=30, eval_every=15, optimizer="adafactor", schedule="inverse_sqrt", lr=1e-2,
+               label_smoothing=0.1, grad_accum=2, batch_size=8, warmup_steps=5)
+    report = training.run(str(tiny_gated_dir), cfg, tmp_path / "af", progress=False)
+    first, last = report["train"]["history"][0]["loss"], report["train"]["history"][-1]["loss"]
+    assert last < first and report["train"]["warmup_steps"] == 5
+
+
+def test_schedules_follow_their_formulas():
+    from t5compress.trainer import SCHEDULES
+
+    assert SCHEDULES["cosine"](0, 10, 110) == pytest.approx(0.1)
+    assert SCHEDULES["cosine"](60, 10, 110) == pytest.approx(0.5)
+    assert SCHEDULES["cosine"](110, 10, 110) == pytest.approx(0.0)
+    assert SCHEDULES["inverse_sqrt"](40, 10, 100) == pytest.approx((10 / 40) ** 0.5)
+    assert SCHEDULES["constant"](50, 10, 100) == 1.0
