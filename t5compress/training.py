@@ -63,12 +63,18 @@ def run(
     model = load_model(src)
     tokenizer = load_tokenizer(src)
     train_ex, eval_ex, data_stats = load_splits(cfg.train_data, cfg.eval_data, cfg.data)
-    work = _prepare_workdir(out, cfg, force, resume)
+    from accelerate import PartialState
+
+    procs = PartialState()  # under `accelerate launch`, only the main process touches the work and output dirs
+    work = _prepare_workdir(out, cfg, force, resume) if procs.is_main_process else workdir_of(out)
+    procs.wait_for_everyone()
     eval_ex = eval_ex[: cfg.train.eval_max_examples]
     train_enc, eval_enc = encode(train_ex, tokenizer, cfg.data), encode(eval_ex, tokenizer, cfg.data)
     max_new = cfg.train.eval_max_new_tokens or max(len(x) for x in eval_enc.labels)
     evalset = EvalSet(eval_ex, eval_enc, max_new)
     summary = fit(model, tokenizer, train_enc, evalset, cfg.train, work, resume, progress=progress, on_step=on_step)
+    if not procs.is_main_process:
+        return {"stage": "train", "train": summary, "eval": None}
     best = _load_best(model, work)
     report = {
         "stage": "train",

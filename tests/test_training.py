@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,3 +147,19 @@ def test_schedules_follow_their_formulas():
     assert SCHEDULES["cosine"](110, 10, 110) == pytest.approx(0.0)
     assert SCHEDULES["inverse_sqrt"](40, 10, 100) == pytest.approx((10 / 40) ** 0.5)
     assert SCHEDULES["constant"](50, 10, 100) == 1.0
+
+
+@pytest.mark.slow
+def test_the_same_command_runs_under_accelerate_launch_with_two_processes(tiny_model_dir, demo_jsonl, tmp_path):
+    """DDP on two CPU processes (gloo): what `accelerate launch --multi_gpu` does on GPUs."""
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [accelerate, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "t5compress.cli", "train", str(tiny_model_dir), str(demo_jsonl),
+           str(tmp_path / "ddp"), "--max-steps", "8", "--eval-every", "4", "--batch-size", "8",
+           "--eval-max-examples", "8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    report = json.loads((tmp_path / "ddp" / "report.json").read_text())
+    assert report["train"]["steps"] == 8 and [h["step"] for h in report["train"]["history"]] == [4, 8]
+    assert not (tmp_path / "ddp.partial").exists()

@@ -107,7 +107,8 @@ def train(
     )
     cfg = training.FinetuneConfig(train_data=data, eval_data=eval_data, data=data_cfg, train=train_cfg)
     report = training.run(model, cfg, Path(out), force=force, resume=resume)
-    print_train_summary(report, out)
+    if report["eval"] is not None:  # None on the non-main processes of a multi-GPU run
+        print_train_summary(report, out)
 
 
 def print_train_summary(report: dict, out: Path) -> None:
