@@ -52,6 +52,7 @@ class DataConfig:
     delimiter: str | None = option(None, help="CSV/TSV delimiter; default: ',' for .csv, tab for .tsv.")
     hf_split: str = option("train", help="Split to read from a datasets directory or Hugging Face dataset.")
     hf_eval_split: str | None = option(None, help="Split used as eval data, e.g. 'validation'; default: held out.")
+    hf_config: str | None = option(None, help="Configuration of a Hub dataset that has several, e.g. 'mrpc' of glue.")
 
     def __post_init__(self) -> None:
         require(bool(self.source_field), "source_field", "must not be empty")
@@ -214,7 +215,7 @@ def _read_hub_dataset(name: str, split: str, cfg: DataConfig) -> Iterator[Record
                             "to load it as a dataset (no network); pass a local file, or set HF_DATASETS_OFFLINE=1 "
                             "to use a cached copy") from None
     try:
-        ds = datasets.load_dataset(name, split=split)
+        ds = datasets.load_dataset(name, cfg.hf_config, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         raise DataError(f"'{name}' is not a local file or directory, and loading it as a Hugging Face dataset "
                         f"(split {split!r}) failed: {_first_line(e)}") from e

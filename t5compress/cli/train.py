@@ -62,6 +62,7 @@ def train(
     eval_fraction: Annotated[float, typer.Option(help=_h(D, "eval_fraction"))] = _d(D, "eval_fraction"),
     hf_split: Annotated[str, typer.Option(help=_h(D, "hf_split"))] = _d(D, "hf_split"),
     hf_eval_split: Annotated[str | None, typer.Option(help=_h(D, "hf_eval_split"))] = _d(D, "hf_eval_split"),
+    hf_config: Annotated[str | None, typer.Option(help=_h(D, "hf_config"))] = _d(D, "hf_config"),
     max_steps: Annotated[int, typer.Option(help=_h(T, "max_steps"))] = _d(T, "max_steps"),
     epochs: Annotated[int, typer.Option(help=_h(T, "epochs"))] = _d(T, "epochs"),
     batch_size: Annotated[int, typer.Option(help=_h(T, "batch_size"))] = _d(T, "batch_size"),
@@ -96,7 +97,7 @@ def train(
     data_cfg = D(
         source_field=source_field, target_field=target_field, prefix=prefix, max_source_length=max_source_length,
         max_target_length=max_target_length, eval_fraction=eval_fraction, hf_split=hf_split,
-        hf_eval_split=hf_eval_split,
+        hf_eval_split=hf_eval_split, hf_config=hf_config,
     )
     train_cfg = T(
         max_steps=max_steps, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, optimizer=optimizer, lr=lr,
