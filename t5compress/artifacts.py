@@ -45,6 +45,7 @@ def staged_output(out: str | os.PathLike, force: bool = False) -> Iterator[Path]
     try:
         out.resolve().parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.resolve().parent))
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; outputs are served by other users (e.g. Triton)
     except OSError as e:
         raise OutputError(f"cannot create output '{out}': {e.strerror}") from e
     try:
@@ -59,6 +60,12 @@ def staged_output(out: str | os.PathLike, force: bool = False) -> Iterator[Path]
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

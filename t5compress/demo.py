@@ -96,11 +96,60 @@ def run(cfg: DemoConfig, out: str | Path, force: bool = False, progress: bool = 
                               metric="exact_match", seed=cfg.seed),
         )
         trained = training.run(str(out / "model-init"), ft, out / "model", progress=progress)
+        shipped = ship(out / "model", out / "onnx", out / "data" / "eval.jsonl")
         summary = {"model": trained["model"], "parameters": created["model"]["parameters"], "eval": trained["eval"],
                    "train": {k: v for k, v in trained["train"].items() if k != "history"},
-                   "paths": {"data": str(out / "data"), "model": str(out / "model")}}
+                   "backends": shipped["backends"], "parity": shipped["parity"],
+                   "paths": {"data": str(out / "data"), "model": str(out / "model"), "onnx": str(out / "onnx")}}
         artifacts.write_json(out / "summary.json", summary)
         return summary
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def ship(model_dir: Path, onnx_dir: Path, eval_file: Path, latency_examples: int = 20) -> dict:
+    """Export to ONNX (verified), then score PyTorch and the ONNX Runtime runtime on the same held-out set."""
+    import statistics
+    import time
+
+    import torch
+
+    from t5compress import metrics
+    from t5compress.evaluation import generate_kwargs
+    from t5compress.export import stage as export
+    from t5compress.models import load_model, load_tokenizer
+    from t5compress.runtime import load_runtime
+
+    report = export.run(str(model_dir), export.ExportConfig(format="onnx"), onnx_dir)
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
+    sources, targets = [r["source"] for r in rows], [r["target"] for r in rows]
+    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    rt = load_runtime(onnx_dir, threads=1)
+    new = 32
+
+    def pytorch(texts: list[str]) -> list[str]:
+        enc = tok(texts, return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=new, do_sample=False, **generate_kwargs(model))
+        return [t.strip() for t in tok.batch_decode(out, skip_special_tokens=True)]
+
+    def onnx(texts: list[str]) -> list[str]:
+        return [t.strip() for t in rt.generate_text(texts, max_new_tokens=new)]
+
+    backends = {}
+    torch.set_num_threads(1)
+    for name, fn in (("pytorch", pytorch), ("t5compress onnx", onnx)):
+        preds = [p for i in range(0, len(sources), 32) for p in fn(sources[i : i + 32])]
+        times = []
+        for text in sources[:latency_examples]:  # batch 1, one thread: the edge-box case
+            t0 = time.perf_counter()
+            fn([text])
+            times.append(1000 * (time.perf_counter() - t0))
+        backends[name] = {**metrics.compute(preds, targets), "ms_per_example": round(statistics.median(times), 2),
+                          "predictions": preds}
+    same = sum(a == b for a, b in zip(backends["pytorch"]["predictions"], backends["t5compress onnx"]["predictions"],
+                                      strict=True))
+    for b in backends.values():
+        del b["predictions"]
+    return {"backends": backends, "parity": {"identical_outputs": f"{same}/{len(sources)}", **report["parity"]}}

@@ -42,3 +42,9 @@ def test_meta_records_parent_hash_and_stage(tmp_path):
     assert json.loads((child / "t5compress.json").read_text())["config"] == {"lr": 0.1}
     (parent / "w").write_bytes(b"124")
     assert artifacts.dir_hash(parent) != meta["parent"]["sha256"]
+
+
+def test_outputs_get_normal_directory_permissions(tmp_path):
+    with artifacts.staged_output(tmp_path / "o") as tmp:
+        (tmp / "f").write_text("x")
+    assert (tmp_path / "o").stat().st_mode & 0o755 == 0o755

@@ -21,21 +21,23 @@ def demo(
     seed: Annotated[int, typer.Option(help=_h(C, "seed"))] = _d(C, "seed"),
     force: Force = False,
 ) -> None:
-    """Build a small T5, fine-tune it on generated data (spell digits, reverse words), evaluate it and report."""
+    """Build a small T5, fine-tune it on generated data, export it to ONNX (verified) and score both backends."""
     from rich.table import Table
 
     from t5compress import demo as stage
 
     summary = stage.run(C(max_steps=max_steps, train_examples=train_examples, seed=seed), out, force=force)
-    ev = summary["eval"] or {}
-    t = Table(title=f"demo: {summary['parameters']:,}-parameter T5 after {summary['train']['steps']} steps "
-              f"({summary['train']['seconds']} s)", title_justify="left")
-    for col in ("metric", "value"):
-        t.add_column(col)
-    for k in ("loss", "exact_match", "rougeL", "bleu", "examples"):
-        t.add_row(k, str(ev.get(k, "-")))
+    tr = summary["train"]
+    n_eval = (summary["eval"] or {}).get("examples", "?")
+    t = Table(title=f"demo: {summary['parameters']:,}-parameter T5, {tr['steps']} fine-tuning steps in "
+              f"{tr['seconds']} s; {n_eval} held-out examples", title_justify="left")
+    for col in ("backend", "exact_match", "rougeL", "bleu", "ms/example (batch 1, 1 thread)"):
+        t.add_column(col, justify="right")
+    for name, b in summary["backends"].items():
+        t.add_row(name, str(b["exact_match"]), str(b["rougeL"]), str(b["bleu"]), str(b["ms_per_example"]))
     console.print(t)
-    for s in (ev.get("samples") or [])[:3]:
+    console.print(f"ONNX vs PyTorch: {summary['parity']['identical_outputs']} identical outputs", highlight=False)
+    for s in ((summary["eval"] or {}).get("samples") or [])[:3]:
         console.print(f"  {s['source']!r} → {s['prediction']!r}", highlight=False)
     for k, v in summary["paths"].items():
         console.print(f"{k}: [bold]{v}[/bold]")

@@ -1,0 +1,44 @@
+"""`t5compress export MODEL OUT --onnx|--torchscript`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from t5compress.cli.common import Force, ModelDir, OutDir, command, console, fail
+from t5compress.config import default_of as _d
+from t5compress.config import help_of as _h
+from t5compress.export.stage import ExportConfig as E
+
+
+@command
+def export(
+    model: ModelDir,
+    out: OutDir,
+    onnx: Annotated[bool, typer.Option("--onnx", help="Write ONNX graphs (the default).")] = False,
+    torchscript: Annotated[bool, typer.Option("--torchscript", help="Write TorchScript graphs (.pt).")] = False,
+    merged: Annotated[bool, typer.Option("--merged", help=_h(E, "merged"))] = False,
+    optimize: Annotated[bool, typer.Option("--optimize", help=_h(E, "optimize"))] = False,
+    optimize_level: Annotated[str, typer.Option(help=_h(E, "optimize_level"))] = _d(E, "optimize_level"),
+    opset: Annotated[int, typer.Option(help=_h(E, "opset"))] = _d(E, "opset"),
+    atol: Annotated[float, typer.Option(help=_h(E, "atol"))] = _d(E, "atol"),
+    max_new_tokens: Annotated[int, typer.Option(help=_h(E, "max_new_tokens"))] = _d(E, "max_new_tokens"),
+    force: Force = False,
+) -> None:
+    """Export encoder, decoder and decoder-with-past graphs, checked against PyTorch (optimum's file layout)."""
+    from t5compress.export.stage import run
+
+    if onnx and torchscript:
+        fail("choose one of --onnx and --torchscript")
+    cfg = E(
+        format="torchscript" if torchscript else "onnx", opset=opset, merged=merged, optimize=optimize,
+        optimize_level=optimize_level, atol=atol, max_new_tokens=max_new_tokens,
+    )
+    report = run(model, cfg, out, force=force)
+    parity = report["parity"]
+    diffs = ", ".join(f"{name} {d:.2e}" for name, d in parity["max_abs_diff"].items())
+    gen = parity["generation"]
+    console.print(f"exported {cfg.format} graphs to [bold]{out}[/bold]")
+    console.print(f"max |export - PyTorch| (logits, cache): {diffs} (atol {parity['atol']:g})", highlight=False)
+    console.print(f"greedy tokens identical to model.generate ({gen['max_new_tokens']} new, batch {gen['batch']})")

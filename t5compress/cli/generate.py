@@ -1,0 +1,137 @@
+"""`t5compress generate DIR "text" ...`: generation on an export directory with the torch-free runtime."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from t5compress.cli.common import Threads, command, fail, stdin_is_piped
+from t5compress.errors import DataError
+
+DEFAULT_FIELDS = ("source", "text")  # tried in order when --field is not given
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+
+Opt = typer.Option
+ExportDir = Annotated[str, typer.Argument(help="Export directory (ONNX or TorchScript), from `t5compress export`.")]
+Texts = Annotated[list[str] | None, typer.Argument(help="Input texts; '-' reads stdin, one input per line.")]
+InputFile = Annotated[Path | None, Opt("--input", "-i", help="JSON Lines (see --field) or a text per line.")]
+Field = Annotated[str | None, Opt(help="JSON Lines field holding the input (default: source, then text).")]
+Prefix = Annotated[str, Opt(help="Task prefix prepended to every input, e.g. 'summarize: '.")]
+Jsonl = Annotated[bool, Opt("--jsonl", help="Print one JSON object per input: {input, output}.")]
+# Generation settings: None means "the export dir's generation_config.json".
+NumBeams = Annotated[int | None, Opt(min=1, help="Beam width; 1 is greedy.")]
+MaxNew = Annotated[int | None, Opt(min=1, help="Most tokens to generate per input.")]
+MinNew = Annotated[int | None, Opt(min=0, help="Fewest tokens before EOS may be chosen.")]
+LengthPenalty = Annotated[float | None, Opt(help="Beam score / length**penalty; > 1 favours longer outputs.")]
+EarlyStopping = Annotated[
+    bool | None, Opt("--early-stopping/--no-early-stopping", help="End beam search once num_beams hypotheses end.")
+]
+NoRepeat = Annotated[int | None, Opt(min=0, help="Never repeat an n-gram of this size (0: off).")]
+RepetitionPenalty = Annotated[float | None, Opt(help="Penalise already generated tokens (1: off).")]
+BatchSize = Annotated[int, Opt(min=1, help="Inputs per batch (similar lengths are batched together).")]
+
+
+@command
+def generate(
+    path: ExportDir,
+    texts: Texts = None,
+    input_file: InputFile = None,
+    field: Field = None,
+    prefix: Prefix = "",
+    jsonl: Jsonl = False,
+    num_beams: NumBeams = None,
+    max_new_tokens: MaxNew = None,
+    min_new_tokens: MinNew = None,
+    length_penalty: LengthPenalty = None,
+    early_stopping: EarlyStopping = None,
+    no_repeat_ngram_size: NoRepeat = None,
+    repetition_penalty: RepetitionPenalty = None,
+    batch_size: BatchSize = 16,
+    threads: Threads = 1,
+) -> None:
+    """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
+    from t5compress.runtime import load_runtime
+
+    inputs = _collect_inputs(texts or [], input_file, field)
+    if not inputs:
+        fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
+    rt = load_runtime(path, threads=threads)
+    gen = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+               length_penalty=length_penalty, early_stopping=early_stopping,
+               no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty)
+    rt.settings(**gen)  # reject bad settings before any work
+    outputs = _generate_batched(rt, [prefix + t for t in inputs], batch_size, gen)
+    for text, out in zip(inputs, outputs, strict=True):
+        typer.echo(json.dumps({"input": text, "output": out}, ensure_ascii=False) if jsonl else _one_line(out))
+
+
+def _generate_batched(rt, texts: list[str], batch_size: int, gen: dict) -> list[str]:
+    """Batches of similar length (less padding), outputs returned in input order."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    outputs: list[str] = [""] * len(texts)
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        for i, out in zip(idx, rt.generate_text([texts[i] for i in idx], **gen), strict=True):
+            outputs[i] = out
+    return outputs
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.splitlines())
+
+
+def _collect_inputs(texts: list[str], input_file: Path | None, field: str | None) -> list[str]:
+    inputs: list[str] = []
+    for t in texts:
+        if t == "-":
+            inputs += _read_lines(sys.stdin, "<stdin>", field, jsonl=None)
+        else:
+            inputs.append(t)
+    if input_file is not None:
+        if not input_file.is_file():
+            raise DataError(f"input file '{input_file}' does not exist")
+        with open(input_file, encoding="utf-8") as f:
+            is_jsonl = True if input_file.suffix in JSONL_SUFFIXES else None
+            inputs += _read_lines(f, str(input_file), field, jsonl=is_jsonl)
+        if not inputs:
+            raise DataError(f"input file '{input_file}' holds no inputs")
+    elif not texts and stdin_is_piped():
+        inputs += _read_lines(sys.stdin, "<stdin>", field, jsonl=None)
+    return inputs
+
+
+def _read_lines(lines: Iterable[str], name: str, field: str | None, jsonl: bool | None) -> list[str]:
+    """Non-blank lines as texts; JSON Lines when `jsonl` is True, or None and the first line starts with '{'."""
+    out: list[str] = []
+    for lineno, line in _numbered(lines):
+        if jsonl is None:
+            jsonl = line.lstrip().startswith("{")
+        out.append(_field_of(line, f"{name}:{lineno}", field) if jsonl else line)
+    return out
+
+
+def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
+    for lineno, line in enumerate(lines, 1):
+        line = line.rstrip("\r\n")
+        if line.strip():
+            yield lineno, line
+
+
+def _field_of(line: str, where: str, field: str | None) -> str:
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for key in (field,) if field else DEFAULT_FIELDS:
+        if isinstance(record.get(key), str):
+            return record[key]
+    wanted = f"field {field!r}" if field else f"field {' or '.join(map(repr, DEFAULT_FIELDS))}"
+    raise DataError(f"{where}: no text {wanted}; fields present: {', '.join(record) or 'none'} (set --field)")

@@ -1,0 +1,241 @@
+"""The three exported graphs, declared once: wrappers around the Hugging Face T5, names, dynamic axes, dummy inputs.
+
+Every exporter (ONNX, TorchScript) and the verification read these declarations; nothing else spells a tensor name.
+Names follow Hugging Face optimum's seq2seq convention (see `t5compress.names`), in optimum's order. A TorchScript
+module takes its inputs positionally in exactly the `inputs` order below and returns a tuple in the `outputs` order,
+the same order as the ONNX graph's outputs (`graphs.json` in every export dir spells both out):
+
+    encoder_model            (input_ids, attention_mask)
+                             -> (last_hidden_state,)
+    decoder_model            (encoder_attention_mask, input_ids, encoder_hidden_states)
+                             -> (logits, present.0.decoder.key, present.0.decoder.value,
+                                 present.0.encoder.key, present.0.encoder.value, present.1.decoder.key, ...)
+    decoder_with_past_model  (encoder_attention_mask, input_ids, past_key_values.0.decoder.key,
+                              past_key_values.0.decoder.value, past_key_values.0.encoder.key,
+                              past_key_values.0.encoder.value, past_key_values.1.decoder.key, ...)
+                             -> (logits, present.0.decoder.key, present.0.decoder.value, present.1.decoder.key, ...)
+
+Shapes: ids and masks int64 (batch, len); hidden (batch, enc_len, d_model); cache (batch, heads, len, d_kv);
+logits (batch, dec_len, vocab). decoder_with_past takes exactly one new token per row. The wrappers call the
+model's own modules (attention, relative position bias, cache objects): nothing of T5 is re-implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from t5compress.names import (
+    BATCH,
+    DEC_LEN,
+    DECODER,
+    DECODER_WITH_PAST,
+    ENC_LEN,
+    ENCODER,
+    PAST_DEC_LEN,
+    PAST_DEC_LEN_OUT,
+    past_names,
+    present_names,
+)
+
+
+@dataclass(frozen=True)
+class DummySizes:
+    """Sizes of the tracing inputs: all different (and > 1 where dynamic) so no two axes get confused."""
+
+    batch: int = 2
+    enc_len: int = 5
+    dec_len: int = 3
+    past_len: int = 4
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One exported graph: file stem, input and output names in order, dynamic axes, wrapper and dummy inputs."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    dynamic_axes: dict[str, dict[int, str]]
+    wrap: Callable[[nn.Module], nn.Module]
+    dummy: Callable[..., tuple[torch.Tensor, ...]]
+
+    def dummy_inputs(self, config, sizes: DummySizes = DummySizes()) -> tuple[torch.Tensor, ...]:
+        """Positional tracing inputs in `inputs` order."""
+        return self.dummy(config, sizes)
+
+
+def flatten_cache(cache, layers: int, cross: bool) -> tuple[torch.Tensor, ...]:
+    """An EncoderDecoderCache as flat tensors in `present_names` order."""
+    flat: list[torch.Tensor] = []
+    for i in range(layers):
+        own = cache.self_attention_cache.layers[i]
+        flat += [own.keys, own.values]  # (batch, heads, dec_len, d_kv)
+        if cross:
+            other = cache.cross_attention_cache.layers[i]
+            flat += [other.keys, other.values]  # (batch, heads, enc_len, d_kv)
+    return tuple(flat)
+
+
+class EncoderGraph(nn.Module):
+    """The encoder stack: ids and mask in, last hidden state out."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.encoder = model.get_encoder()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # (batch, enc_len) x2 -> (batch, enc_len, d_model)
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True).last_hidden_state
+
+
+class _DecoderStep(nn.Module):
+    """The decoder stack and the LM head of a T5ForConditionalGeneration (not its encoder)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.decoder, self.lm_head = model.decoder, model.lm_head
+        self.layers = model.config.num_decoder_layers
+        # T5ForConditionalGeneration.forward rescales the hidden state before a tied head. Mirrored here rather than
+        # calling that forward, so a traced decoder does not carry the encoder's weights; verification compares
+        # with the full forward, so a change in transformers cannot slip through.
+        self.scale = model.model_dim**-0.5 if model.config.tie_word_embeddings else 1.0
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # (batch, dec_len, d_model) -> (batch, dec_len, vocab)
+        return self.lm_head(hidden * self.scale if self.scale != 1.0 else hidden)
+
+
+class DecoderGraph(_DecoderStep):
+    """First decoding step(s): no past in; logits and the self- and cross-attention cache out."""
+
+    def forward(
+        self, encoder_attention_mask: torch.Tensor, input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        # Config-less caches grow one layer at a time: a cache sized from the config takes the encoder depth.
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        out = self.decoder(
+            input_ids=input_ids,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+        )
+        return (self.logits(out.last_hidden_state), *flatten_cache(out.past_key_values, self.layers, cross=True))
+
+
+class DecoderWithPastGraph(_DecoderStep):
+    """Later steps: one token and the full cache in; logits and the grown self-attention cache out."""
+
+    def forward(
+        self, encoder_attention_mask: torch.Tensor, input_ids: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        # past: per layer (self key, self value, cross key, cross value), as `past_names` orders them.
+        cache = EncoderDecoderCache.from_legacy_cache(tuple(past[i : i + 4] for i in range(0, len(past), 4)))
+        # T5 skips cross-attention when encoder_hidden_states is None, but with a filled cross cache it only reads
+        # the tensor's presence and (batch, enc_len) shape; a view of the cached key stands in, so the graph needs
+        # no encoder_hidden_states input (as in optimum).
+        stand_in = past[2][:, 0]  # (batch, enc_len, d_kv)
+        out = self.decoder(
+            input_ids=input_ids,
+            encoder_hidden_states=stand_in,
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+        )
+        return (self.logits(out.last_hidden_state), *flatten_cache(out.past_key_values, self.layers, cross=False))
+
+
+def _ids(config, batch: int, length: int) -> torch.Tensor:
+    return torch.randint(3, config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def _mask(batch: int, length: int) -> torch.Tensor:
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[-1, length - 1 :] = 0  # one padded position, so the mask is a real input and not folded away
+    return mask
+
+
+def _cache(config, s: DummySizes) -> list[torch.Tensor]:
+    self_shape = (s.batch, config.num_heads, s.past_len, config.d_kv)
+    cross_shape = (s.batch, config.num_heads, s.enc_len, config.d_kv)
+    g = torch.Generator().manual_seed(1)
+    shapes = [self_shape, self_shape, cross_shape, cross_shape] * config.num_decoder_layers
+    return [torch.randn(shape, generator=g) for shape in shapes]
+
+
+def _encoder_dummy(config, s: DummySizes) -> tuple[torch.Tensor, ...]:
+    return _ids(config, s.batch, s.enc_len), _mask(s.batch, s.enc_len)
+
+
+def _decoder_dummy(config, s: DummySizes) -> tuple[torch.Tensor, ...]:
+    hidden = torch.randn(s.batch, s.enc_len, config.d_model, generator=torch.Generator().manual_seed(2))
+    return _mask(s.batch, s.enc_len), _ids(config, s.batch, s.dec_len), hidden
+
+
+def _with_past_dummy(config, s: DummySizes) -> tuple[torch.Tensor, ...]:
+    return (_mask(s.batch, s.enc_len), _ids(config, s.batch, 1), *_cache(config, s))
+
+
+def _cache_axes(names: list[str], self_len: str) -> dict[str, dict[int, str]]:
+    return {n: {0: BATCH, 2: self_len if ".decoder." in n else ENC_LEN} for n in names}
+
+
+def graph_specs(config) -> dict[str, GraphSpec]:
+    """The encoder, decoder and decoder-with-past graphs of a T5 config, keyed by file stem."""
+    layers = config.num_decoder_layers
+    enc_in = ("input_ids", "attention_mask")
+    dec_in = ("encoder_attention_mask", "input_ids", "encoder_hidden_states")
+    past_in = ("encoder_attention_mask", "input_ids", *past_names(layers))
+    return {
+        ENCODER: GraphSpec(
+            ENCODER,
+            enc_in,
+            ("last_hidden_state",),
+            {n: {0: BATCH, 1: ENC_LEN} for n in (*enc_in, "last_hidden_state")},
+            EncoderGraph,
+            _encoder_dummy,
+        ),
+        DECODER: GraphSpec(
+            DECODER,
+            dec_in,
+            ("logits", *present_names(layers)),
+            {
+                "encoder_attention_mask": {0: BATCH, 1: ENC_LEN},
+                "input_ids": {0: BATCH, 1: DEC_LEN},
+                "encoder_hidden_states": {0: BATCH, 1: ENC_LEN},
+                "logits": {0: BATCH, 1: DEC_LEN},
+                **_cache_axes(present_names(layers), DEC_LEN),
+            },
+            DecoderGraph,
+            _decoder_dummy,
+        ),
+        DECODER_WITH_PAST: GraphSpec(
+            DECODER_WITH_PAST,
+            past_in,
+            ("logits", *present_names(layers, cross=False)),
+            {
+                "encoder_attention_mask": {0: BATCH, 1: ENC_LEN},
+                "input_ids": {0: BATCH},  # one new token per row
+                "logits": {0: BATCH},
+                **_cache_axes(past_names(layers), PAST_DEC_LEN),
+                **_cache_axes(present_names(layers, cross=False), PAST_DEC_LEN_OUT),
+            },
+            DecoderWithPastGraph,
+            _with_past_dummy,
+        ),
+    }
+
+
+def manifest(specs: dict[str, GraphSpec]) -> dict[str, dict[str, list[str]]]:
+    """`graphs.json`: each graph's input and output names in positional order (read by the runtime)."""
+    return {name: {"inputs": list(s.inputs), "outputs": list(s.outputs)} for name, s in specs.items()}

@@ -1,0 +1,214 @@
+"""Check exported graphs against the PyTorch model they came from: logits and cache per graph, then greedy tokens.
+
+Each graph is checked on its own: it gets its inputs from PyTorch (encoder output, cache of the prefix) and its
+outputs are compared with a plain full forward of `T5ForConditionalGeneration`, on several batch sizes and lengths
+with padded rows. Then a small numpy greedy loop drives the exported graphs end to end and must reproduce
+`model.generate` token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from t5compress.errors import ExportError
+from t5compress.export.graphs import GraphSpec, flatten_cache
+from t5compress.names import (
+    DECODER,
+    DECODER_MERGED,
+    DECODER_WITH_PAST,
+    ENCODER,
+    ONNX_SUFFIX,
+    TORCHSCRIPT_SUFFIX,
+    past_names,
+    present_names,
+)
+
+log = logging.getLogger(__name__)
+
+Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+# (batch, encoder length, decoder length): batch 1 and odd lengths, rows padded to different lengths.
+CASES: tuple[tuple[int, int, int], ...] = ((1, 4, 2), (2, 9, 3), (3, 13, 6))
+
+
+def open_onnx(out: Path, names: list[str]) -> dict[str, Runner]:
+    """ONNX Runtime sessions (CPU) for the graphs in `names`, fed by name."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3
+
+    def runner(path: Path) -> Runner:
+        try:
+            sess = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime's own exception types
+            raise ExportError(f"ONNX Runtime cannot load {path.name}: {str(e).strip().splitlines()[0]}") from e
+        inputs = [i.name for i in sess.get_inputs()]
+        outputs = [o.name for o in sess.get_outputs()]
+        return lambda feeds: dict(zip(outputs, sess.run(None, {n: feeds[n] for n in inputs}), strict=True))
+
+    return {n: runner(out / f"{n}{ONNX_SUFFIX}") for n in names}
+
+
+def open_torchscript(out: Path, specs: dict[str, GraphSpec]) -> dict[str, Runner]:
+    """TorchScript modules called positionally in the declared input order, outputs zipped with declared names."""
+
+    def runner(spec: GraphSpec) -> Runner:
+        from t5compress.export.torchscript import quiet_jit
+
+        with quiet_jit():
+            module = torch.jit.load(str(out / f"{spec.name}{TORCHSCRIPT_SUFFIX}"), map_location="cpu").eval()
+
+        def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            with torch.no_grad():
+                values = module(*(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in spec.inputs))
+            return {n: v.numpy() for n, v in zip(spec.outputs, values, strict=True)}
+
+        return run
+
+    return {name: runner(spec) for name, spec in specs.items()}
+
+
+def make_batch(vocab: int, batch: int, length: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random ids (batch, length) right-padded with 0 to random row lengths (the first row is full); and the mask."""
+    lengths = np.concatenate([[length], rng.integers(1, length + 1, batch - 1)])
+    mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int64)  # (batch, length)
+    ids = rng.integers(3, vocab, (batch, length)) * mask  # pad id 0 where masked
+    return ids.astype(np.int64), mask
+
+
+def _fresh_cache():
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    # Config-less: a cache sized from the config takes the encoder depth, wrong when decoder depth differs.
+    return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+
+def _named(values: tuple[torch.Tensor, ...], names: list[str]) -> dict[str, np.ndarray]:
+    return {n: v.numpy() for n, v in zip(names, values, strict=True)}
+
+
+def _diff(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
+    """Max absolute difference over the outputs named in `want`; NaN or a shape mismatch counts as infinite."""
+    worst = 0.0
+    for name, ref in want.items():
+        if got[name].shape != ref.shape:
+            return math.inf
+        d = float(np.abs(got[name].astype(np.float64) - ref).max()) if ref.size else 0.0
+        worst = max(worst, d if not math.isnan(d) else math.inf)
+    return worst
+
+
+def logits_parity(model, graphs: dict[str, Runner], seed: int = 0) -> dict[str, float]:
+    """Max absolute difference to PyTorch per graph (over logits and cache outputs), across all `CASES`."""
+    cfg, layers = model.config, model.config.num_decoder_layers
+    rng = np.random.default_rng(seed)
+    worst = dict.fromkeys(graphs, 0.0)
+    for batch, enc_len, dec_len in CASES:
+        ids, mask = make_batch(cfg.vocab_size, batch, enc_len, rng)
+        dec = rng.integers(3, cfg.vocab_size, (batch, dec_len)).astype(np.int64)
+        t_mask = torch.from_numpy(mask)
+        with torch.no_grad():
+            hidden = model.encoder(input_ids=torch.from_numpy(ids), attention_mask=t_mask).last_hidden_state
+            full = model(encoder_outputs=(hidden,), attention_mask=t_mask, decoder_input_ids=torch.from_numpy(dec),
+                         past_key_values=_fresh_cache(), use_cache=True)
+            prefix = model(encoder_outputs=(hidden,), attention_mask=t_mask,
+                           decoder_input_ids=torch.from_numpy(dec[:, :-1]), past_key_values=_fresh_cache(),
+                           use_cache=True)
+        logits = full.logits.numpy()  # (batch, dec_len, vocab)
+        first_in = {"encoder_attention_mask": mask, "input_ids": dec, "encoder_hidden_states": hidden.numpy()}
+        cache = flatten_cache(full.past_key_values, layers, cross=True)
+        first_want = {"logits": logits, **_named(cache, present_names(layers))}
+        past_in = {"encoder_attention_mask": mask, "input_ids": dec[:, -1:],
+                   **_named(flatten_cache(prefix.past_key_values, layers, True), past_names(layers))}
+        self_names = present_names(layers, cross=False)
+        past_want = {"logits": logits[:, -1:], **{n: first_want[n] for n in self_names}}
+        checks: dict[str, list[tuple[dict, dict]]] = {
+            ENCODER: [({"input_ids": ids, "attention_mask": mask}, {"last_hidden_state": hidden.numpy()})],
+            DECODER: [(first_in, first_want)],
+            DECODER_WITH_PAST: [(past_in, past_want)],
+            DECODER_MERGED: [
+                ({**first_in, **_empty_past(past_in), "use_cache_branch": np.array([False])}, first_want),
+                ({**first_in, **past_in, "use_cache_branch": np.array([True])}, past_want),
+            ],
+        }
+        for name, run in graphs.items():
+            for feeds, want in checks[name]:
+                worst[name] = max(worst[name], _diff(run(feeds), want))
+    return worst
+
+
+def _empty_past(past_in: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Zero-length past tensors: what the merged decoder is fed on the first step."""
+    return {n: v[:, :, :0] for n, v in past_in.items() if n.startswith("past_key_values.")}
+
+
+def greedy(
+    graphs: dict[str, Runner], ids: np.ndarray, mask: np.ndarray, start: int, eos: set[int], pad: int,
+    max_new_tokens: int,
+) -> np.ndarray:
+    """Greedy decoding over the exported graphs: (batch, 1 + steps) ids, start token first, finished rows padded."""
+    hidden = graphs[ENCODER]({"input_ids": ids, "attention_mask": mask})["last_hidden_state"]
+    tokens = np.full((ids.shape[0], 1), start, dtype=np.int64)  # (batch, 1)
+    done = np.zeros(ids.shape[0], dtype=bool)
+    out = graphs[DECODER]({"encoder_attention_mask": mask, "input_ids": tokens, "encoder_hidden_states": hidden})
+    cache: dict[str, np.ndarray] = {}
+    for step in range(max_new_tokens):
+        cache.update({n.replace("present.", "past_key_values.", 1): v for n, v in out.items() if n != "logits"})
+        nxt = np.where(done, pad, out["logits"][:, -1].argmax(-1)).astype(np.int64)  # (batch,)
+        tokens = np.concatenate([tokens, nxt[:, None]], axis=1)
+        done |= np.isin(nxt, list(eos))
+        if done.all() or step == max_new_tokens - 1:
+            break
+        out = graphs[DECODER_WITH_PAST]({"encoder_attention_mask": mask, "input_ids": nxt[:, None], **cache})
+    return tokens
+
+
+def generation_parity(model, graphs: dict[str, Runner], max_new_tokens: int, seed: int = 0) -> dict:
+    """Greedy tokens from the graphs vs `model.generate` on a padded batch: identical or not, and where."""
+    from transformers import GenerationConfig
+
+    cfg = model.config
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    batch, enc_len, _ = CASES[-1]
+    ids, mask = make_batch(cfg.vocab_size, batch, enc_len, np.random.default_rng(seed + 1))
+    start = cfg.decoder_start_token_id if cfg.decoder_start_token_id is not None else cfg.pad_token_id  # as HF T5
+    # Plain greedy, whatever the model's generation_config asks for; dynamic_full sizes the cache per decoder
+    # layer (transformers 4.57 otherwise sizes it from the encoder depth and fails when the depths differ).
+    gen = GenerationConfig(
+        do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, decoder_start_token_id=start,
+        eos_token_id=eos, pad_token_id=cfg.pad_token_id, cache_implementation="dynamic_full",
+    )
+    with torch.no_grad():
+        want = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                              generation_config=gen).numpy()
+    got = greedy(graphs, ids, mask, start, set(eos), cfg.pad_token_id, max_new_tokens)
+    same = got.shape == want.shape and bool((got == want).all())
+    rows = [] if same else [i for i in range(batch) if got.shape != want.shape or (got[i] != want[i]).any()]
+    return {"max_new_tokens": max_new_tokens, "batch": batch, "identical": same, "differing_rows": rows,
+            "tokens": want.tolist()}
+
+
+def verify(model, graphs: dict[str, Runner], atol: float, max_new_tokens: int, what: str) -> dict:
+    """Run both checks; raise a one-line ExportError naming the graph or row that failed. Returns the numbers."""
+    diffs = logits_parity(model, graphs)
+    for name, d in diffs.items():
+        if not d <= atol:
+            raise ExportError(
+                f"{what}: {name} differs from PyTorch by {d:.3g} (> atol {atol:g}); nothing was written "
+                "(raise --atol if this precision is acceptable)"
+            )
+    gen = generation_parity(model, graphs, max_new_tokens)
+    if not gen["identical"]:
+        raise ExportError(
+            f"{what}: greedy tokens differ from model.generate in row(s) {gen['differing_rows']}; nothing was written"
+        )
+    log.info("%s: max abs diff %s, greedy identical", what, {k: f"{v:.2e}" for k, v in diffs.items()})
+    return {"atol": atol, "cases": [list(c) for c in CASES], "max_abs_diff": diffs, "generation": gen}

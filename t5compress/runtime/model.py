@@ -1,0 +1,196 @@
+"""`Seq2SeqRuntime`: tokenizer + exported graphs + search, i.e. text in, text out, without torch or transformers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from t5compress.errors import DataError, ModelError
+from t5compress.runtime.search import beam_search, greedy_search
+from t5compress.runtime.sessions import Backend, open_backend
+from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class CachedDecoder:
+    """Runs `decoder_model` for the first step and `decoder_with_past_model` after it, holding the KV cache.
+
+    The first step runs once per input and is then repeated for each beam (all beams start from the same token).
+    The cross-attention keys/values depend only on the encoder output, so they are computed in that first step and
+    fed unchanged every later step; beam reordering never touches them, since all beams of an input share them.
+    Only the self-attention cache is gathered by beam index.
+    """
+
+    def __init__(self, backend: Backend, hidden: np.ndarray, mask: np.ndarray, beams: int):
+        self.backend, self.beams = backend, beams
+        self.hidden: np.ndarray | None = hidden  # (batch, enc_len, d_model)
+        self.mask = mask  # (batch, enc_len)
+        self.self_cache: dict[str, np.ndarray] = {}  # (batch*beams, heads, past_len, d_kv) per name
+        self.cross_cache: dict[str, np.ndarray] = {}  # (batch*beams, heads, enc_len, d_kv) per name, set once
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens: (batch*beams,) int64 -> logits (batch*beams, vocab) float32."""
+        if not self.self_cache:
+            return self._first(tokens[:: self.beams])
+        feeds = {"input_ids": tokens[:, None], "encoder_attention_mask": self.mask}
+        feeds.update(_as_past(self.self_cache))
+        feeds.update(_as_past(self.cross_cache))
+        out = self.backend.decoder_with_past.run(feeds)
+        self.self_cache = {n: v for n, v in out.items() if ".decoder." in n}
+        return out["logits"][:, -1, :].astype(np.float32, copy=False)  # fp16 exports: score in fp32 as transformers
+
+    def _first(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens: (batch,) -> logits (batch*beams, vocab); fills both caches, expanded to batch*beams rows."""
+        out = self.backend.decoder.run(
+            {"input_ids": tokens[:, None], "encoder_hidden_states": self.hidden, "encoder_attention_mask": self.mask}
+        )
+        expand = (lambda a: np.repeat(a, self.beams, axis=0)) if self.beams > 1 else (lambda a: a)
+        self.self_cache = {n: expand(v) for n, v in out.items() if ".decoder." in n}
+        self.cross_cache = {n: expand(v) for n, v in out.items() if ".encoder." in n}
+        if not self.self_cache or not self.cross_cache:
+            raise ModelError(f"graph '{self.backend.decoder.name}' returns no present.*.decoder/encoder cache outputs")
+        self.mask = expand(self.mask)
+        self.hidden = None  # only the first step reads it; the cross-attention cache replaces it
+        return expand(out["logits"][:, -1, :].astype(np.float32, copy=False))
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """rows: (batch*beams,) new parent of each beam, always a beam of the same input."""
+        if not np.array_equal(rows, np.arange(rows.shape[0])):
+            self.self_cache = {n: np.take(v, rows, axis=0) for n, v in self.self_cache.items()}
+
+    def keep(self, rows: np.ndarray) -> None:
+        """rows: (kept,) rows to go on with; every per-row tensor shrinks (a copy per finishing step, not per step)."""
+        self.self_cache = {n: np.take(v, rows, axis=0) for n, v in self.self_cache.items()}
+        self.cross_cache = {n: np.take(v, rows, axis=0) for n, v in self.cross_cache.items()}
+        self.mask = np.take(self.mask, rows, axis=0)
+
+
+def _as_past(cache: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n.replace("present.", "past_key_values.", 1): v for n, v in cache.items()}
+
+
+class Seq2SeqRuntime:
+    """Generation on an export directory: `generate` on token ids, `generate_text` on strings."""
+
+    def __init__(self, path: str | Path, backend: Backend, tokens: SpecialTokens, defaults: dict[str, Any]):
+        self.path = Path(path)
+        self.backend = backend
+        self.tokens = tokens
+        self.defaults = defaults  # GenerationSettings fields found in generation_config.json
+        self._tokenizer = None
+
+    @property
+    def format(self) -> str:
+        return self.backend.format
+
+    def settings(self, **overrides: Any) -> GenerationSettings:
+        """The effective settings: generation_config.json defaults with the given non-None values on top."""
+        return resolve(self.defaults, overrides)
+
+    def generate(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        num_beams: int | None = None,
+        length_penalty: float | None = None,
+        early_stopping: bool | str | None = None,
+        no_repeat_ngram_size: int | None = None,
+        repetition_penalty: float | None = None,
+        num_return_sequences: int | None = None,
+    ) -> np.ndarray:
+        """Token ids like `transformers` `model.generate(...)`: (batch * num_return_sequences, out_len) int64.
+
+        Settings left at None come from the export dir's generation_config.json (then transformers' defaults);
+        they mean what they mean in `transformers.GenerationConfig`.
+
+        Args:
+            input_ids: (batch, len) int64 encoder input, right-padded with the pad id.
+            attention_mask: (batch, len) 1 for real tokens; None derives it from padding, as transformers does.
+        Returns:
+            The decoder start token first, then the generated tokens; rows that end early are padded (greedy: with
+            the pad id; beam search: with transformers' fill value, the pad id unless it is 0, else the EOS id).
+        """
+        gen = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
+                   length_penalty=length_penalty, early_stopping=early_stopping,
+                   no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty,
+                   num_return_sequences=num_return_sequences)
+        s = self.settings(**gen)
+        input_ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
+        if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise DataError(f"input_ids must be a non-empty (batch, length) array, got shape {input_ids.shape}")
+        mask = self._mask(input_ids, attention_mask)
+        hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
+        decoder = CachedDecoder(self.backend, hidden, mask, s.num_beams)
+        search = beam_search if s.num_beams > 1 else greedy_search
+        return search(decoder, input_ids.shape[0], s, self.tokens)
+
+    def _mask(self, input_ids: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
+        if attention_mask is not None:
+            mask = np.ascontiguousarray(np.asarray(attention_mask, dtype=np.int64))
+            if mask.shape != input_ids.shape:
+                raise DataError(f"attention_mask shape {mask.shape} differs from input_ids shape {input_ids.shape}")
+            return mask
+        # transformers infers the mask from padding only when the pad id occurs and is not an EOS id
+        if self.tokens.pad not in self.tokens.eos and (input_ids == self.tokens.pad).any():
+            return (input_ids != self.tokens.pad).astype(np.int64)
+        return np.ones_like(input_ids)
+
+    @property
+    def tokenizer(self):
+        """The export dir's `tokenizer.json` as a `tokenizers.Tokenizer`, padding with the pad id."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.path, self.tokens.pad)
+        return self._tokenizer
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask), both (batch, longest) int64, right-padded."""
+        if not texts:
+            raise DataError("no input text given")
+        encs = self.tokenizer.encode_batch(list(texts))
+        ids = np.array([e.ids for e in encs], dtype=np.int64)  # (batch, longest)
+        return ids, np.array([e.attention_mask for e in encs], dtype=np.int64)
+
+    def decode(self, ids: np.ndarray) -> list[str]:
+        return self.tokenizer.decode_batch([row.tolist() for row in ids], skip_special_tokens=True)
+
+    def generate_text(self, texts: Sequence[str], **gen: Any) -> list[str]:
+        """Generate for each text; with num_return_sequences = n, n strings per text, best first."""
+        input_ids, mask = self.encode(texts)
+        return self.decode(self.generate(input_ids, mask, **gen))
+
+
+def load_tokenizer(path: Path, pad_id: int):
+    from tokenizers import Tokenizer
+
+    file = path / TOKENIZER_FILE
+    if not file.is_file():
+        raise ModelError(f"'{path}' has no {TOKENIZER_FILE}: text generation needs it (token ids work without)")
+    tok = Tokenizer.from_file(str(file))
+    pad_token = tok.id_to_token(pad_id) or "<pad>"
+    tok.enable_padding(pad_id=pad_id, pad_token=pad_token)
+    tok.no_truncation()
+    return tok
+
+
+def load_runtime(path: str | Path, threads: int = 1, providers: Sequence[str] | None = None) -> Seq2SeqRuntime:
+    """Open an ONNX or TorchScript export directory for generation.
+
+    Args:
+        path: export directory (encoder_model, decoder_model, decoder_with_past_model + config files).
+        threads: intra-op threads per graph (0: the backend's default).
+        providers: ONNX Runtime execution providers (default: CPU).
+    """
+    p = Path(path)
+    backend = open_backend(p, threads, providers)
+    tokens, defaults = read_generation_defaults(p)
+    return Seq2SeqRuntime(p, backend, tokens, defaults)

@@ -1,0 +1,190 @@
+"""Greedy and beam search in numpy, step for step the algorithm of `transformers` 4.57 `generate`.
+
+The searches drive a `Decoder` (one call per step, logits out) and never see the graphs or the cache, so the same
+code serves ONNX Runtime and TorchScript. Matching transformers is the contract: same logits processors in the same
+order, beam search's top-2k candidate bookkeeping, length penalty, early-stopping heuristic and output padding.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from t5compress.runtime.settings import GenerationSettings, SpecialTokens
+
+NEG = np.float32(-1.0e9)  # transformers' "very large negative" for unusable beams (not -inf: it is added to scores)
+
+
+class Decoder(Protocol):
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed the last token of every row, (rows,) int64; return next-token logits, (rows, vocab) float32."""
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Make row i of the self-attention cache the former row `rows[i]`, a beam of the same input."""
+
+    def keep(self, rows: np.ndarray) -> None:
+        """Drop every row not in `rows` (finished greedy rows), keeping the order of `rows`."""
+
+
+def process_scores(scores: np.ndarray, sequences: np.ndarray, s: GenerationSettings, tok: SpecialTokens) -> np.ndarray:
+    """transformers' logits processors, in its order: repetition penalty, no-repeat n-grams, minimum length.
+
+    scores: (rows, vocab) float32, modified in place; sequences: (rows, cur_len) int64 tokens so far.
+    """
+    if s.repetition_penalty != 1.0:
+        seen = np.take_along_axis(scores, sequences, axis=1)  # (rows, cur_len)
+        seen = np.where(seen < 0, seen * np.float32(s.repetition_penalty), seen / np.float32(s.repetition_penalty))
+        np.put_along_axis(scores, sequences, seen, axis=1)
+    if s.no_repeat_ngram_size > 0:
+        for row, banned in enumerate(banned_ngram_tokens(sequences, s.no_repeat_ngram_size)):
+            if banned:
+                scores[row, banned] = -np.inf
+    if sequences.shape[1] < s.min_length and tok.eos:
+        scores[:, list(tok.eos)] = -np.inf
+    return scores
+
+
+def banned_ngram_tokens(sequences: np.ndarray, n: int) -> list[list[int]]:
+    """Per row, the tokens that would repeat an n-gram already in that row (fairseq's rule, as transformers)."""
+    cur_len = sequences.shape[1]
+    if cur_len + 1 < n:
+        return [[] for _ in range(sequences.shape[0])]
+    out = []
+    for row in sequences.tolist():
+        prefix = tuple(row[cur_len + 1 - n:])  # the last n-1 tokens
+        out.append([row[i + n - 1] for i in range(cur_len - n + 1) if tuple(row[i:i + n - 1]) == prefix])
+    return out
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """(rows, vocab) float32 -> log-probabilities, float32 like torch's."""
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries per row of (rows, n), best first (ties: lower index first)."""
+    if k < x.shape[1]:
+        part = np.argpartition(-x, k - 1, axis=1)[:, :k]  # (rows, k), unordered
+        order = np.argsort(-np.take_along_axis(x, part, axis=1), axis=1, kind="stable")
+        return np.take_along_axis(part, order, axis=1)
+    return np.argsort(-x, axis=1, kind="stable")[:, :k]
+
+
+def greedy_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: SpecialTokens) -> np.ndarray:
+    """(batch, out_len) int64: start token first; rows that finished early are padded with the pad id.
+
+    Finished rows leave the decoder's batch (transformers keeps computing them and throws the result away): a batch
+    whose outputs differ in length costs what its unfinished rows cost. Tokens are unchanged by this.
+    """
+    seqs = np.full((batch, s.max_length), tok.pad, dtype=np.int64)  # (batch, max_len); finished rows stay pad
+    seqs[:, 0] = tok.decoder_start
+    active = np.arange(batch)  # rows of `seqs` still decoding, in the decoder's row order
+    eos = np.array(tok.eos, dtype=np.int64)
+    cur = 1
+    while True:
+        logits = decoder.step(seqs[active, cur - 1])  # (active, vocab)
+        nxt = process_scores(logits, seqs[active, :cur], s, tok).argmax(axis=-1)
+        seqs[active, cur] = nxt
+        cur += 1
+        done = np.isin(nxt, eos)
+        if cur >= s.max_length or done.all():
+            return seqs[:, :cur]
+        if done.any():
+            keep = np.flatnonzero(~done)
+            decoder.keep(keep)
+            active = active[keep]
+
+
+def beam_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: SpecialTokens) -> np.ndarray:
+    """(batch * num_return_sequences, out_len) int64, best hypothesis first within each input.
+
+    Keeps, like transformers, the top 2k candidates per step (k = num_beams) so that k live beams remain when some
+    candidates end in EOS; finished hypotheses compete on score / generated_length ** length_penalty.
+    """
+    k, max_len = s.num_beams, s.max_length
+    k2 = max(2, 1 + len(tok.eos)) * k
+    top_k_mask = np.arange(k2) < k  # only the best k candidates of a step may enter the finished set
+    # transformers fills unused positions with `pad or eos` -- for T5 (pad 0) that is the EOS id.
+    fill = tok.pad or (tok.eos[0] if tok.eos else -1)
+    run_seqs = np.full((batch, k, max_len), fill, dtype=np.int64)  # (batch, beams, max_len) live hypotheses
+    run_seqs[:, :, 0] = tok.decoder_start
+    run_scores = np.zeros((batch, k), dtype=np.float32)
+    run_scores[:, 1:] = NEG  # all beams start identical: only beam 0 may expand at the first step
+    fin = _Finished(run_seqs.copy(), k)
+    improvable = np.ones((batch, 1), dtype=bool)  # can a live beam still beat the worst finished one?
+    offsets = np.arange(batch)[:, None] * k  # (batch, 1): flat row of beam 0 of each input
+    eos = np.array(tok.eos, dtype=np.int64)
+    cur = 1
+    while True:
+        logits = decoder.step(run_seqs[:, :, cur - 1].reshape(-1))  # (batch*beams, vocab)
+        vocab = logits.shape[-1]
+        logp = process_scores(log_softmax(logits), run_seqs[:, :, :cur].reshape(batch * k, cur), s, tok)
+        logp = (logp.reshape(batch, k, vocab) + run_scores[:, :, None]).reshape(batch, k * vocab)
+        cand = topk(logp, k2)  # (batch, 2k) into beams*vocab
+        cand_scores = np.take_along_axis(logp, cand, axis=1)  # (batch, 2k)
+        parents, tokens = cand // vocab, cand % vocab
+        cand_seqs = np.take_along_axis(run_seqs, parents[:, :, None], axis=1)  # (batch, 2k, max_len)
+        cand_seqs[:, :, cur] = tokens
+        hits = np.isin(tokens, eos) | (cur + 1 >= max_len)  # (batch, 2k): candidate ends here
+
+        # Next live beams: the best k candidates that did not just end.
+        live_scores = cand_scores + hits.astype(np.float32) * NEG
+        keep = topk(live_scores, k)  # (batch, k) into 2k
+        run_seqs = np.take_along_axis(cand_seqs, keep[:, :, None], axis=1)
+        run_scores = np.take_along_axis(live_scores, keep, axis=1)
+        fin.update(cand_seqs, cand_scores, hits & top_k_mask, improvable, cur, s)
+
+        decoder.reorder((np.take_along_axis(parents, keep, axis=1) + offsets).reshape(-1))
+        cur += 1
+        improvable = _improvable(improvable, run_scores, fin, cur, s)
+        all_full = bool(fin.done.all()) and s.early_stopping is True
+        if not improvable.any() or all_full or hits.all():
+            return fin.best(s.num_return_sequences)
+
+
+class _Finished:
+    """The k best finished hypotheses per input, with their length-normalised scores."""
+
+    def __init__(self, seqs: np.ndarray, k: int):
+        batch = seqs.shape[0]
+        self.seqs = seqs  # (batch, k, max_len)
+        self.scores = np.full((batch, k), NEG, dtype=np.float32)
+        self.done = np.zeros((batch, k), dtype=bool)
+        self.lengths = np.zeros((batch, k), dtype=np.int64)  # generated tokens, start token excluded
+        self.k = k
+
+    def update(self, cand_seqs, cand_scores, ended, improvable, cur: int, s: GenerationSettings) -> None:
+        """Merge this step's ended top-k candidates into the finished set (transformers' float32 arithmetic)."""
+        scores = cand_scores / np.float32(cur**s.length_penalty)  # each candidate has generated `cur` tokens
+        full = self.done.all(axis=-1, keepdims=True) & (s.early_stopping is True)
+        scores = scores + full.astype(np.float32) * NEG
+        scores = scores + (~improvable).astype(np.float32) * NEG
+        scores = scores + (~ended).astype(np.float32) * NEG
+        merged_scores = np.concatenate([self.scores, scores], axis=1)  # (batch, k + 2k)
+        best = topk(merged_scores, self.k)  # (batch, k) into k + 2k
+
+        def take(a: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(a, best if a.ndim == 2 else best[:, :, None], axis=1)
+
+        self.seqs = take(np.concatenate([self.seqs, cand_seqs], axis=1))
+        self.scores = take(merged_scores)
+        self.done = take(np.concatenate([self.done, ended], axis=1))
+        self.lengths = take(np.concatenate([self.lengths, np.full(ended.shape, cur, dtype=np.int64)], axis=1))
+
+    def best(self, n: int) -> np.ndarray:
+        """(batch * n, 1 + longest generated) int64, cropped like transformers."""
+        seqs = self.seqs[:, :n].reshape(-1, self.seqs.shape[-1])
+        return seqs[:, : 1 + int(self.lengths[:, :n].max())]
+
+
+def _improvable(improvable, run_scores, fin: _Finished, cur: int, s: GenerationSettings) -> np.ndarray:
+    """transformers' early-stop heuristic: could the best live beam still beat the worst finished one?"""
+    if s.early_stopping == "never" and s.length_penalty > 0.0:
+        best_len = s.max_length - 1  # a positive penalty favours length: assume the longest possible
+    else:
+        best_len = cur - 1
+    best_possible = run_scores[:, :1] / np.float32(best_len**s.length_penalty)  # (batch, 1)
+    worst = np.where(fin.done, fin.scores.min(axis=1, keepdims=True), NEG)  # (batch, k)
+    return improvable & (best_possible > worst).any(axis=-1, keepdims=True)
