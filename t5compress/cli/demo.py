@@ -30,13 +30,14 @@ def demo(
     tr = summary["train"]
     n_eval = (summary["eval"] or {}).get("examples", "?")
     t = Table(title=f"demo: {summary['parameters']:,}-parameter T5, {tr['steps']} fine-tuning steps in "
-              f"{tr['seconds']} s; {n_eval} held-out examples", title_justify="left")
-    for col in ("backend", "exact_match", "rougeL", "bleu", "ms/example (batch 1, 1 thread)"):
+              f"{tr['seconds']} s, scored on {n_eval} held-out examples", title_justify="left")
+    for col in ("backend", "exact_match", "rougeL", "bleu", "ms/example"):
         t.add_column(col, justify="right")
     for name, b in summary["backends"].items():
         t.add_row(name, str(b["exact_match"]), str(b["rougeL"]), str(b["bleu"]), str(b["ms_per_example"]))
     console.print(t)
-    console.print(f"ONNX vs PyTorch: {summary['parity']['identical_outputs']} identical outputs", highlight=False)
+    console.print(f"ms/example: median, batch 1, 1 thread. ONNX vs PyTorch: {summary['parity']['identical_outputs']} "
+                  "identical outputs", highlight=False)
     for s in ((summary["eval"] or {}).get("samples") or [])[:3]:
         console.print(f"  {s['source']!r} → {s['prediction']!r}", highlight=False)
     for k, v in summary["paths"].items():
