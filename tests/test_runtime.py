@@ -389,3 +389,15 @@ def test_cli_generate_bad_inputs(exports, tmp_path):
         result = runner.invoke(app, ["generate", *args])
         assert result.exit_code != 0 and needle in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_chunked_topk_equals_a_full_stable_sort_including_ties():
+    from t5compress.runtime.search import topk
+
+    rng = np.random.default_rng(0)
+    for shape, k in [((8, 4 * 32128), 8), ((6, 32100), 4), ((2, 2049), 3)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        x[0, 5] = x[0, 7] = x[0, 3000 % shape[1]] = x[0].max() + 1  # a three-way tie at the top
+        x[1, -1] = x[1].max() + 1  # the best entry in the padded last chunk
+        want = np.argsort(-x, axis=1, kind="stable")[:, :k]
+        assert (topk(x, k) == want).all(), shape

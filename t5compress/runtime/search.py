@@ -65,11 +65,35 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def topk(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest entries per row of (rows, n), best first (ties: lower index first)."""
+    if x.shape[1] >= _CHUNKED_MIN and k <= 64:
+        return _topk_chunked(x, k)
     if k < x.shape[1]:
         part = np.argpartition(-x, k - 1, axis=1)[:, :k]  # (rows, k), unordered
         order = np.argsort(-np.take_along_axis(x, part, axis=1), axis=1, kind="stable")
         return np.take_along_axis(part, order, axis=1)
     return np.argsort(-x, axis=1, kind="stable")[:, :k]
+
+
+_CHUNK = 128
+_CHUNKED_MIN = 16 * _CHUNK
+
+
+def _topk_chunked(x: np.ndarray, k: int) -> np.ndarray:
+    """topk over beams x vocab without partitioning all of it (it cost a quarter of beam search at batch 8).
+
+    The k largest entries of a row lie in the k chunks with the largest maxima: a chunk holding one of them has a
+    maximum at least that large, and k other chunks with larger maxima would give k larger entries. So one
+    vectorised max pass picks k chunks, and only k * 128 candidates are ranked.
+    """
+    rows, n = x.shape
+    pad = -n % _CHUNK
+    xp = np.pad(x, ((0, 0), (0, pad)), constant_values=-np.inf) if pad else x
+    chunks = xp.reshape(rows, -1, _CHUNK)  # (rows, n_chunks, chunk)
+    best_chunks = np.sort(np.argpartition(-chunks.max(axis=2), k - 1, axis=1)[:, :k], axis=1)  # (rows, k), ascending
+    cand = (best_chunks[:, :, None] * _CHUNK + np.arange(_CHUNK)).reshape(rows, -1)  # (rows, k*chunk), ascending
+    vals = np.take_along_axis(xp, cand, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")[:, :k]  # stable over ascending indices: ties keep lower index
+    return np.take_along_axis(cand, order, axis=1)
 
 
 def greedy_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: SpecialTokens) -> np.ndarray:
