@@ -62,8 +62,11 @@ class CachedDecoder:
 
     def reorder(self, rows: np.ndarray) -> None:
         """rows: (batch*beams,) new parent of each beam, always a beam of the same input."""
-        if not np.array_equal(rows, np.arange(rows.shape[0])):
-            self.self_cache = {n: np.take(v, rows, axis=0) for n, v in self.self_cache.items()}
+        moved = np.flatnonzero(rows != np.arange(rows.shape[0]))
+        if moved.size:  # copy only the beams whose parent changed; the cache arrays are ours (fresh graph outputs)
+            src = rows[moved]
+            for v in self.self_cache.values():
+                v[moved] = v[src]  # numpy gathers the right-hand side first, so overlapping rows are safe
 
     def keep(self, rows: np.ndarray) -> None:
         """rows: (kept,) rows to go on with; every per-row tensor shrinks (a copy per finishing step, not per step)."""

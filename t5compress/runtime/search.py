@@ -59,8 +59,9 @@ def banned_ngram_tokens(sequences: np.ndarray, n: int) -> list[list[int]]:
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """(rows, vocab) float32 -> log-probabilities, float32 like torch's."""
-    shifted = x - x.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    out = x - x.max(axis=-1, keepdims=True)
+    out -= np.log(np.exp(out).sum(axis=-1, keepdims=True))  # in place: one (rows, vocab) temporary, not two
+    return out
 
 
 def topk(x: np.ndarray, k: int) -> np.ndarray:
