@@ -58,7 +58,7 @@ def inspect_dir(path: str | Path) -> dict[str, Any]:
         "path": str(p),
         "kind": kind,
         "architecture": {k: config[k] for k in _ARCH_KEYS if k in config},
-        "parameters": _parameters(p),
+        "parameters": _parameters(p) or ((read_json(p / REPORT_FILE) or {}).get("model") or {}).get("parameters"),
         "size_bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()),
         "files": files,
         "lineage": None if meta is None else {"stage": meta.get("stage"), "created": meta.get("created"),
@@ -81,8 +81,12 @@ def _metric_rows(report: dict) -> list[tuple[str, str]]:
     for k in ("loss", "exact_match", "rougeL", "bleu", "examples", "step"):
         if k in ev:
             rows.append((f"eval {k}", str(ev[k])))
-    for k, v in (report.get("parity") or {}).items():
-        rows.append((f"parity {k}", str(v)))
+    parity = report.get("parity") or {}
+    if "max_abs_diff" in parity:
+        diffs = ", ".join(f"{g.removesuffix('_model')} {d:.1e}" for g, d in parity["max_abs_diff"].items())
+        rows.append(("max |export - PyTorch|", f"{diffs} (atol {parity.get('atol')})"))
+    if "generation" in parity:
+        rows.append(("greedy == generate", "yes" if parity["generation"].get("identical") else "NO"))
     return rows
 
 
@@ -96,6 +100,9 @@ def render(data: dict[str, Any], console) -> None:
     if data["parameters"] is not None:
         t.add_row("parameters", f"{data['parameters']:,} ({data['parameters'] / 1e6:.2f}M)")
     t.add_row("size on disk", _human(data["size_bytes"]))
+    for name, size in data["files"].items():
+        if name.endswith((".onnx", ".pt", ".safetensors", ".onnx_data")):
+            t.add_row(f"  {name}", _human(size))
     lin = data["lineage"]
     if lin:
         parent = (lin.get("parent") or {}).get("path", "-")

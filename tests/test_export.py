@@ -195,6 +195,10 @@ def test_cli_torchscript_happy_path_and_positional_order(tiny_model_dir, tmp_pat
     report = json.loads((out / "report.json").read_text())
     assert report["format"] == "torchscript" and report["parity"]["generation"]["identical"]
     assert all(d < ATOL for d in report["parity"]["max_abs_diff"].values())
+    shown = runner.invoke(app, ["info", str(out)])
+    assert shown.exit_code == 0 and "greedy == generate" in shown.output
+    info = json.loads(runner.invoke(app, ["info", str(out), "--json"]).output)
+    assert info["kind"] == "torchscript export" and info["parameters"] == report["model"]["parameters"]
     model = load_model(tiny_model_dir)
     specs = graph_specs(model.config)
     manifest = json.loads((out / "graphs.json").read_text())
