@@ -25,6 +25,7 @@ def train_unigram(texts: Iterable[str], vocab_size: int = 8000, extra_ids: int =
 
     import sentencepiece as spm
     from transformers import T5Tokenizer, T5TokenizerFast
+    from transformers.utils import logging as hf_logging
 
     lines = [t for t in texts if t.strip()]
     if not lines:
@@ -52,9 +53,14 @@ def train_unigram(texts: Iterable[str], vocab_size: int = 8000, extra_ids: int =
         slow = T5Tokenizer(vocab_file=path, extra_ids=extra_ids, legacy=False)
         # add_prefix_space: the first word gets its "▁" like every other word, as in T5's own tokenizer. The
         # converted tokenizer.json carries that; dropping the kwarg keeps reloads from re-converting from spiece.model.
-        fast = T5TokenizerFast(
-            vocab_file=path, extra_ids=extra_ids, legacy=False, from_slow=True, add_prefix_space=True
-        )
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its "you set add_prefix_space, converting from slow" notice is expected
+        try:
+            fast = T5TokenizerFast(
+                vocab_file=path, extra_ids=extra_ids, legacy=False, from_slow=True, add_prefix_space=True
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
         fast.init_kwargs.pop("add_prefix_space", None)
     log.info("trained a unigram tokenizer with %d pieces (+%d sentinels)", slow.sp_model.get_piece_size(), extra_ids)
     return fast
