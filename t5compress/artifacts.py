@@ -50,16 +50,21 @@ def staged_output(out: str | os.PathLike, force: bool = False) -> Iterator[Path]
         raise OutputError(f"cannot create output '{out}': {e.strerror}") from e
     try:
         yield tmp
-        if out.exists():  # only reachable with force=True
-            old = tmp.with_name(tmp.name + ".old")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        replace_dir(tmp, out)  # an existing `out` is only reachable with force=True
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished directory `tmp` to `final`; an existing `final` is swapped out by rename, then deleted."""
+    if final.exists():
+        old = tmp.with_name(tmp.name + ".old")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
 
 
 def _umask() -> int:

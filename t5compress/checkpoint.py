@@ -18,7 +18,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from t5compress.artifacts import read_json, write_json
+from t5compress.artifacts import read_json, replace_dir, write_json
 from t5compress.errors import OutputError
 
 LATEST = "latest.json"
@@ -28,14 +28,7 @@ def _stage_dir(workdir: Path, final: Path, write) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=workdir))
     try:
         write(tmp)
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        replace_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
