@@ -40,7 +40,6 @@ _VARIANT_FIELDS = {
 }
 _EFFICIENT_RE = re.compile(r"^t5-efficient-(?P<size>[a-z]+)(?P<variants>(?:-[a-z]{2}\d+)*)$")
 
-DEFAULT_VOCAB_SIZE = 32128  # T5's SentencePiece vocabulary padded to a multiple of 128
 
 
 def _shape(sizes: tuple[int, ...]) -> dict[str, int]:

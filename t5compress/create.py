@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from t5compress import artifacts
-from t5compress.architectures import DEFAULT_VOCAB_SIZE
 from t5compress.config import option, require
 from t5compress.data import DataConfig, load_examples
 from t5compress.models import create_model, describe, save_model_dir
@@ -44,9 +43,9 @@ def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
     tokenizer = new_tokenizer(cfg.tokenizer, texts, vocab_size=cfg.vocab_size)
     vocab = len(tokenizer)
     vocab = (vocab + 127) // 128 * 128 if cfg.tokenizer == "unigram" else vocab  # T5 pads to a multiple of 128
-    overrides = {"vocab_size": vocab, **cfg.overrides}
-    require(overrides["vocab_size"] >= len(tokenizer), "overrides", f"vocab_size must be >= {len(tokenizer)} tokens")
-    model = create_model(cfg.arch, DEFAULT_VOCAB_SIZE, overrides, seed=cfg.seed)
+    vocab = cfg.overrides.get("vocab_size", vocab)
+    require(vocab >= len(tokenizer), "overrides", f"vocab_size must be >= {len(tokenizer)} tokens")
+    model = create_model(cfg.arch, vocab, cfg.overrides, seed=cfg.seed)
     tok_info = {"kind": cfg.tokenizer, "size": len(tokenizer)}
     report = {"stage": "create", "model": describe(model), "tokenizer": tok_info}
     with artifacts.staged_output(out, force) as tmp:

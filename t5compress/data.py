@@ -19,14 +19,13 @@ import logging
 import os
 import random
 import re
-import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from t5compress.config import option, require
-from t5compress.errors import DataError, ModelError
+from t5compress.errors import DataError, ModelError, first_line, hub_reachable
 
 if TYPE_CHECKING:
     import torch
@@ -198,7 +197,7 @@ def _read_dataset_dir(path: Path, name: str, split: str, cfg: DataConfig) -> Ite
         else:
             ds = datasets.load_dataset(str(path), split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
-        why = _first_line(e) + (f" ({_first_line(e.__cause__)})" if e.__cause__ else "")
+        why = first_line(e) + (f" ({first_line(e.__cause__)})" if e.__cause__ else "")
         raise DataError(f"cannot load the dataset directory '{name}' (split {split!r}): {why}") from e
     return _dataset_records(ds, f"{name} [{split}]", cfg)
 
@@ -207,18 +206,15 @@ def _read_hub_dataset(name: str, split: str, cfg: DataConfig) -> Iterator[Record
     """Load a Hub dataset; with no network fail at once with one line, not after minutes of retries."""
     import datasets
 
-    if not datasets.config.HF_HUB_OFFLINE:
-        try:
-            socket.getaddrinfo("huggingface.co", 443)
-        except OSError:
-            raise DataError(f"'{name}' is not a local file or directory, and the Hugging Face Hub cannot be reached "
-                            "to load it as a dataset (no network); pass a local file, or set HF_DATASETS_OFFLINE=1 "
-                            "to use a cached copy") from None
+    if not datasets.config.HF_HUB_OFFLINE and not hub_reachable():
+        raise DataError(f"'{name}' is not a local file or directory, and the Hugging Face Hub cannot be reached "
+                        "to load it as a dataset (no network); pass a local file, or set HF_DATASETS_OFFLINE=1 "
+                        "to use a cached copy")
     try:
         ds = datasets.load_dataset(name, cfg.hf_config, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         raise DataError(f"'{name}' is not a local file or directory, and loading it as a Hugging Face dataset "
-                        f"(split {split!r}) failed: {_first_line(e)}") from e
+                        f"(split {split!r}) failed: {first_line(e)}") from e
     return _dataset_records(ds, f"{name} [{split}]", cfg)
 
 
@@ -256,11 +252,6 @@ def _kind(value: Any) -> str:
     kinds = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "an array",
              dict: "an object", str: "a string"}
     return kinds.get(type(value), f"a {type(value).__name__}")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def load_splits(

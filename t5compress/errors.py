@@ -25,3 +25,20 @@ class OutputError(T5CompressError):
 
 class ExportError(T5CompressError):
     """An export failed or did not match PyTorch within tolerance."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors are often pages long)."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub's name resolves: without network, fail at once instead of retrying for minutes."""
+    import socket
+
+    try:
+        socket.getaddrinfo("huggingface.co", 443)
+    except OSError:
+        return False
+    return True

@@ -53,12 +53,12 @@ def inspect_dir(path: str | Path) -> dict[str, Any]:
     config = read_json(p / "config.json") or {}
     files = {f.name: f.stat().st_size for f in sorted(p.iterdir()) if f.is_file()}
     meta = read_json(p / META_FILE)
-    report = read_json(p / REPORT_FILE)
+    report = read_json(p / REPORT_FILE) or {}
     return {
         "path": str(p),
         "kind": kind,
         "architecture": {k: config[k] for k in _ARCH_KEYS if k in config},
-        "parameters": _parameters(p) or ((read_json(p / REPORT_FILE) or {}).get("model") or {}).get("parameters"),
+        "parameters": _parameters(p) or (report.get("model") or {}).get("parameters"),  # exports: from the report
         "size_bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()),
         "files": files,
         "lineage": None if meta is None else {"stage": meta.get("stage"), "created": meta.get("created"),
@@ -109,6 +109,6 @@ def render(data: dict[str, Any], console) -> None:
         t.add_row("made by", f"{lin['stage']} at {lin['created']} from {parent}")
     else:
         t.add_row("made by", "not t5compress (no t5compress.json)")
-    for k, v in _metric_rows(data["report"] or {}):
+    for k, v in _metric_rows(data["report"]):
         t.add_row(k, v)
     console.print(t)

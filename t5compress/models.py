@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from t5compress.errors import ModelError
+from t5compress.errors import ModelError, first_line, hub_reachable
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def load_model(src: str | os.PathLike, dtype: Any = None):
     try:
         model = T5ForConditionalGeneration.from_pretrained(str(src), use_safetensors=True, dtype=dtype, **kwargs)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load model {str(src)!r}: {_first_line(e)}") from e
+        raise ModelError(f"cannot load model {str(src)!r}: {first_line(e)}") from e
     model.eval()
     return model
 
@@ -75,7 +75,7 @@ def load_tokenizer(src: str | os.PathLike):
     try:
         return AutoTokenizer.from_pretrained(str(src), **kwargs)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of {str(src)!r}: {_first_line(e)}") from e
+        raise ModelError(f"cannot load the tokenizer of {str(src)!r}: {first_line(e)}") from e
 
 
 def _hub_kwargs(repo_id: str) -> dict[str, Any]:
@@ -85,21 +85,12 @@ def _hub_kwargs(repo_id: str) -> dict[str, Any]:
     cached = try_to_load_from_cache(repo_id, "config.json")
     if isinstance(cached, str):
         return {"local_files_only": True}
-    try:
-        import socket
-
-        socket.getaddrinfo("huggingface.co", 443)
-    except OSError:
+    if not hub_reachable():
         raise ModelError(
             f"{repo_id!r} is not a local directory and the Hugging Face Hub cannot be reached (no network); "
             "pass a local model directory"
-        ) from None
+        )
     return {}
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def create_model(arch: str, vocab_size: int, overrides: dict[str, Any] | None = None, seed: int = 0):

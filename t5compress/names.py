@@ -35,3 +35,22 @@ def past_names(num_decoder_layers: int, prefix: str = "past_key_values", cross: 
 
 def present_names(num_decoder_layers: int, cross: bool = True) -> list[str]:
     return past_names(num_decoder_layers, prefix="present", cross=cross)
+
+
+MANIFEST_FILE = "graphs.json"  # in every export dir: each graph's input and output names in positional order
+
+
+def graph_io(num_decoder_layers: int) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """(inputs, outputs) of each graph in positional order: optimum's order, also TorchScript's argument order."""
+    layers = num_decoder_layers
+    return {
+        ENCODER: (("input_ids", "attention_mask"), ("last_hidden_state",)),
+        DECODER: (
+            ("encoder_attention_mask", "input_ids", "encoder_hidden_states"),
+            ("logits", *present_names(layers)),
+        ),
+        DECODER_WITH_PAST: (
+            ("encoder_attention_mask", "input_ids", *past_names(layers)),
+            ("logits", *present_names(layers, cross=False)),
+        ),
+    }

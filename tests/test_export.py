@@ -92,7 +92,7 @@ def test_onnx_export_matches_pytorch_and_uses_optimum_names(relu_onnx, tiny_mode
 
 
 def test_graphs_take_any_batch_and_length(relu_onnx, tiny_model_dir):
-    """Own greedy loop over the graphs on shapes never traced (batch 5, 17 tokens, 12 new) vs model.generate."""
+    """The runtime's greedy search over the graphs on shapes never traced (batch 5, 17 tokens, 12 new) = generate."""
     out, _ = relu_onnx
     model = load_model(tiny_model_dir)
     ids, mask = make_batch(model.config.vocab_size, 5, 17, np.random.default_rng(7))
@@ -176,7 +176,8 @@ def test_pruned_heads_and_uneven_depths(pruned_dir, tmp_path):
     model = load_model(pruned_dir)
     ids, mask = make_batch(model.config.vocab_size, 2, 6, np.random.default_rng(0))
     hidden = model.encoder(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))[0].detach().numpy()
-    out = graphs[DECODER]({"encoder_attention_mask": mask, "input_ids": ids[:, :3], "encoder_hidden_states": hidden})
+    feeds = {"encoder_attention_mask": mask, "input_ids": ids[:, :3], "encoder_hidden_states": hidden}
+    out = graphs[DECODER].run(feeds)
     assert out["present.2.decoder.key"].shape == (2, 3, 3, 16) and out["present.2.encoder.key"].shape == (2, 3, 6, 16)
     ort_model = ORTModelForSeq2SeqLM.from_pretrained(tmp_path / "onnx", use_merged=False)
     got = ort_model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,

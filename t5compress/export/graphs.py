@@ -37,6 +37,7 @@ from t5compress.names import (
     ENCODER,
     PAST_DEC_LEN,
     PAST_DEC_LEN_OUT,
+    graph_io,
     past_names,
     present_names,
 )
@@ -193,22 +194,18 @@ def _cache_axes(names: list[str], self_len: str) -> dict[str, dict[int, str]]:
 def graph_specs(config) -> dict[str, GraphSpec]:
     """The encoder, decoder and decoder-with-past graphs of a T5 config, keyed by file stem."""
     layers = config.num_decoder_layers
-    enc_in = ("input_ids", "attention_mask")
-    dec_in = ("encoder_attention_mask", "input_ids", "encoder_hidden_states")
-    past_in = ("encoder_attention_mask", "input_ids", *past_names(layers))
+    io = graph_io(layers)
     return {
         ENCODER: GraphSpec(
             ENCODER,
-            enc_in,
-            ("last_hidden_state",),
-            {n: {0: BATCH, 1: ENC_LEN} for n in (*enc_in, "last_hidden_state")},
+            *io[ENCODER],
+            {n: {0: BATCH, 1: ENC_LEN} for n in (*io[ENCODER][0], *io[ENCODER][1])},
             EncoderGraph,
             _encoder_dummy,
         ),
         DECODER: GraphSpec(
             DECODER,
-            dec_in,
-            ("logits", *present_names(layers)),
+            *io[DECODER],
             {
                 "encoder_attention_mask": {0: BATCH, 1: ENC_LEN},
                 "input_ids": {0: BATCH, 1: DEC_LEN},
@@ -221,8 +218,7 @@ def graph_specs(config) -> dict[str, GraphSpec]:
         ),
         DECODER_WITH_PAST: GraphSpec(
             DECODER_WITH_PAST,
-            past_in,
-            ("logits", *present_names(layers, cross=False)),
+            *io[DECODER_WITH_PAST],
             {
                 "encoder_attention_mask": {0: BATCH, 1: ENC_LEN},
                 "input_ids": {0: BATCH},  # one new token per row

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from t5compress.errors import ExportError
+from t5compress.errors import ExportError, first_line
 from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
             )
         proto = onnx.load(str(scratch / path.name))  # pulls in external data if the exporter wrote any
     except Exception as e:  # the exporter raises many types; the user needs one line naming the graph
-        raise ExportError(f"ONNX export of {spec.name} failed: {_first_line(e)}") from e
+        raise ExportError(f"ONNX export of {spec.name} failed: {first_line(e)}") from e
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _check_io(proto, spec)
@@ -239,7 +239,7 @@ def write_merged(out: Path, external: bool) -> list[Path]:
     try:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as e:
-        raise ExportError(f"merged decoder is not a valid ONNX model: {_first_line(e)}") from e
+        raise ExportError(f"merged decoder is not a valid ONNX model: {first_line(e)}") from e
     return files
 
 
@@ -270,7 +270,7 @@ def optimize_onnx(path: Path, level: str = "extended", external: bool = False) -
         try:
             ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime's own exception types
-            raise ExportError(f"ONNX Runtime could not optimise {path.name}: {_first_line(e)}") from e
+            raise ExportError(f"ONNX Runtime could not optimise {path.name}: {first_line(e)}") from e
         written = []
         for f in sorted(scratch.iterdir()):
             shutil.move(str(f), str(path.parent / f.name))  # same filesystem: a rename
@@ -279,7 +279,3 @@ def optimize_onnx(path: Path, level: str = "extended", external: bool = False) -
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-
-def _first_line(e: BaseException) -> str:
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__

@@ -21,14 +21,13 @@ from t5compress import artifacts
 from t5compress.config import choose, option, require
 from t5compress.errors import ModelError
 from t5compress.export.onnx import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD, OPT_LEVELS, USE_CACHE_BRANCH
-from t5compress.names import DECODER, DECODER_MERGED, ONNX_SUFFIX, past_names
+from t5compress.names import DECODER, DECODER_MERGED, MANIFEST_FILE, ONNX_SUFFIX, past_names
 
 if TYPE_CHECKING:
     from t5compress.export.graphs import GraphSpec
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FILE = "graphs.json"
 
 
 @dataclass(frozen=True)

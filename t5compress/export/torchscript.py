@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from t5compress.errors import ExportError
+from t5compress.errors import ExportError, first_line
 from t5compress.export.graphs import GraphSpec
 from t5compress.names import TORCHSCRIPT_SUFFIX
 
@@ -54,7 +54,7 @@ def trace_graph(model: torch.nn.Module, spec: GraphSpec) -> torch.jit.ScriptModu
             # check_trace re-runs the same inputs only; verification checks other shapes, which is what matters.
             return torch.jit.trace(wrapper, spec.dummy_inputs(model.config), check_trace=False, strict=False)
     except Exception as e:  # the tracer raises many types; the user needs one line naming the graph
-        raise ExportError(f"TorchScript trace of {spec.name} failed: {str(e).strip().splitlines()[0]}") from e
+        raise ExportError(f"TorchScript trace of {spec.name} failed: {first_line(e)}") from e
 
 
 def export_torchscript(model: torch.nn.Module, specs: dict[str, GraphSpec], out: Path) -> dict[str, list[Path]]:

@@ -2,15 +2,14 @@
 
 Each graph is checked on its own: it gets its inputs from PyTorch (encoder output, cache of the prefix) and its
 outputs are compared with a plain full forward of `T5ForConditionalGeneration`, on several batch sizes and lengths
-with padded rows. Then a small numpy greedy loop drives the exported graphs end to end and must reproduce
-`model.generate` token for token.
+with padded rows. Then the package's runtime (`t5compress.runtime`, what users generate with) drives the exported
+graphs end to end and must reproduce `model.generate` token for token.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,52 +27,28 @@ from t5compress.names import (
     past_names,
     present_names,
 )
+from t5compress.runtime.sessions import Graph
 
 log = logging.getLogger(__name__)
 
-Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 # (batch, encoder length, decoder length): batch 1 and odd lengths, rows padded to different lengths.
 CASES: tuple[tuple[int, int, int], ...] = ((1, 4, 2), (2, 9, 3), (3, 13, 6))
 
 
-def open_onnx(out: Path, names: list[str]) -> dict[str, Runner]:
-    """ONNX Runtime sessions (CPU) for the graphs in `names`, fed by name."""
-    import onnxruntime as ort
+def open_onnx(out: Path, names: list[str]) -> dict[str, Graph]:
+    """The runtime's own ONNX Runtime graphs (CPU, this process's torch thread count) for `names`."""
+    from t5compress.runtime.sessions import OnnxGraph
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.log_severity_level = 3
-
-    def runner(path: Path) -> Runner:
-        try:
-            sess = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime's own exception types
-            raise ExportError(f"ONNX Runtime cannot load {path.name}: {str(e).strip().splitlines()[0]}") from e
-        inputs = [i.name for i in sess.get_inputs()]
-        outputs = [o.name for o in sess.get_outputs()]
-        return lambda feeds: dict(zip(outputs, sess.run(None, {n: feeds[n] for n in inputs}), strict=True))
-
-    return {n: runner(out / f"{n}{ONNX_SUFFIX}") for n in names}
+    return {n: OnnxGraph(out / f"{n}{ONNX_SUFFIX}", torch.get_num_threads()) for n in names}
 
 
-def open_torchscript(out: Path, specs: dict[str, GraphSpec]) -> dict[str, Runner]:
-    """TorchScript modules called positionally in the declared input order, outputs zipped with declared names."""
+def open_torchscript(out: Path, specs: dict[str, GraphSpec]) -> dict[str, Graph]:
+    """The runtime's own TorchScript graphs, called positionally in the declared input order."""
+    from t5compress.export.torchscript import quiet_jit
+    from t5compress.runtime.sessions import TorchScriptGraph
 
-    def runner(spec: GraphSpec) -> Runner:
-        from t5compress.export.torchscript import quiet_jit
-
-        with quiet_jit():
-            module = torch.jit.load(str(out / f"{spec.name}{TORCHSCRIPT_SUFFIX}"), map_location="cpu").eval()
-
-        def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            with torch.no_grad():
-                values = module(*(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in spec.inputs))
-            return {n: v.numpy() for n, v in zip(spec.outputs, values, strict=True)}
-
-        return run
-
-    return {name: runner(spec) for name, spec in specs.items()}
+    with quiet_jit():
+        return {n: TorchScriptGraph(out / f"{n}{TORCHSCRIPT_SUFFIX}", s.inputs, s.outputs) for n, s in specs.items()}
 
 
 def make_batch(vocab: int, batch: int, length: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -106,7 +81,7 @@ def _diff(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
     return worst
 
 
-def logits_parity(model, graphs: dict[str, Runner], seed: int = 0) -> dict[str, float]:
+def logits_parity(model, graphs: dict[str, Graph], seed: int = 0) -> dict[str, float]:
     """Max absolute difference to PyTorch per graph (over logits and cache outputs), across all `CASES`."""
     cfg, layers = model.config, model.config.num_decoder_layers
     rng = np.random.default_rng(seed)
@@ -139,9 +114,9 @@ def logits_parity(model, graphs: dict[str, Runner], seed: int = 0) -> dict[str, 
                 ({**first_in, **past_in, "use_cache_branch": np.array([True])}, past_want),
             ],
         }
-        for name, run in graphs.items():
+        for name, graph in graphs.items():
             for feeds, want in checks[name]:
-                worst[name] = max(worst[name], _diff(run(feeds), want))
+                worst[name] = max(worst[name], _diff(graph.run(feeds), want))
     return worst
 
 
@@ -151,27 +126,19 @@ def _empty_past(past_in: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def greedy(
-    graphs: dict[str, Runner], ids: np.ndarray, mask: np.ndarray, start: int, eos: set[int], pad: int,
+    graphs: dict[str, Graph], ids: np.ndarray, mask: np.ndarray, start: int, eos: set[int], pad: int,
     max_new_tokens: int,
 ) -> np.ndarray:
-    """Greedy decoding over the exported graphs: (batch, 1 + steps) ids, start token first, finished rows padded."""
-    hidden = graphs[ENCODER]({"input_ids": ids, "attention_mask": mask})["last_hidden_state"]
-    tokens = np.full((ids.shape[0], 1), start, dtype=np.int64)  # (batch, 1)
-    done = np.zeros(ids.shape[0], dtype=bool)
-    out = graphs[DECODER]({"encoder_attention_mask": mask, "input_ids": tokens, "encoder_hidden_states": hidden})
-    cache: dict[str, np.ndarray] = {}
-    for step in range(max_new_tokens):
-        cache.update({n.replace("present.", "past_key_values.", 1): v for n, v in out.items() if n != "logits"})
-        nxt = np.where(done, pad, out["logits"][:, -1].argmax(-1)).astype(np.int64)  # (batch,)
-        tokens = np.concatenate([tokens, nxt[:, None]], axis=1)
-        done |= np.isin(nxt, list(eos))
-        if done.all() or step == max_new_tokens - 1:
-            break
-        out = graphs[DECODER_WITH_PAST]({"encoder_attention_mask": mask, "input_ids": nxt[:, None], **cache})
-    return tokens
+    """Greedy decoding with the package's runtime over `graphs`: (batch, 1 + steps) ids, as model.generate."""
+    from t5compress.runtime import Seq2SeqRuntime, SpecialTokens
+    from t5compress.runtime.sessions import Backend
+
+    backend = Backend("verify", graphs[ENCODER], graphs[DECODER], graphs[DECODER_WITH_PAST])
+    runtime = Seq2SeqRuntime(".", backend, SpecialTokens(start, tuple(sorted(eos)), pad), defaults={})
+    return runtime.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)
 
 
-def generation_parity(model, graphs: dict[str, Runner], max_new_tokens: int, seed: int = 0) -> dict:
+def generation_parity(model, graphs: dict[str, Graph], max_new_tokens: int, seed: int = 0) -> dict:
     """Greedy tokens from the graphs vs `model.generate` on a padded batch: identical or not, and where."""
     from transformers import GenerationConfig
 
@@ -196,7 +163,7 @@ def generation_parity(model, graphs: dict[str, Runner], max_new_tokens: int, see
             "tokens": want.tolist()}
 
 
-def verify(model, graphs: dict[str, Runner], atol: float, max_new_tokens: int, what: str) -> dict:
+def verify(model, graphs: dict[str, Graph], atol: float, max_new_tokens: int, what: str) -> dict:
     """Run both checks; raise a one-line ExportError naming the graph or row that failed. Returns the numbers."""
     diffs = logits_parity(model, graphs)
     for name, d in diffs.items():

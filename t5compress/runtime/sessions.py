@@ -16,22 +16,18 @@ from typing import Protocol
 
 import numpy as np
 
-from t5compress.errors import ModelError
+from t5compress.errors import ModelError, first_line
 from t5compress.names import (
-    DECODER,
-    DECODER_WITH_PAST,
-    ENCODER,
     GRAPHS,
+    MANIFEST_FILE,
     ONNX_SUFFIX,
     TORCHSCRIPT_SUFFIX,
-    past_names,
-    present_names,
+    graph_io,
 )
 
 log = logging.getLogger(__name__)
 
 FORMAT_SUFFIXES = {"onnx": ONNX_SUFFIX, "torchscript": TORCHSCRIPT_SUFFIX}
-MANIFEST_FILE = "graphs.json"  # written by the exporter: each graph's input and output names in positional order
 
 
 class Graph(Protocol):
@@ -77,7 +73,7 @@ class OnnxGraph:
                 str(path), sess_options=session_options(threads), providers=list(providers or ["CPUExecutionProvider"])
             )
         except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
-            raise ModelError(f"cannot load '{path}' with ONNX Runtime: {str(e).strip().splitlines()[0]}") from e
+            raise ModelError(f"cannot load '{path}' with ONNX Runtime: {first_line(e)}") from e
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
 
@@ -112,7 +108,7 @@ class TorchScriptGraph:
         try:
             self.module = torch.jit.load(str(path), map_location="cpu").eval()
         except (RuntimeError, OSError, ValueError) as e:
-            raise ModelError(f"cannot load '{path}' as TorchScript: {str(e).strip().splitlines()[0]}") from e
+            raise ModelError(f"cannot load '{path}' as TorchScript: {first_line(e)}") from e
         self.input_names = tuple(input_names)
         self.output_names = tuple(output_names)
 
@@ -160,11 +156,7 @@ def open_torchscript(path: Path, threads: int, providers: Sequence[str] | None =
 
 
 def torchscript_io_names(path: Path) -> dict[str, tuple[list[str], list[str]]]:
-    """Positional input names and output names per graph: the export's `graphs.json`, else the exporter's order.
-
-    The order (optimum's) is the one `t5compress.export.graphs` declares; it is repeated here rather than imported
-    because that module needs torch.
-    """
+    """Positional input names and output names per graph: the export's `graphs.json`, else `names.graph_io`."""
     manifest = path / MANIFEST_FILE
     if manifest.is_file():
         try:
@@ -172,18 +164,7 @@ def torchscript_io_names(path: Path) -> dict[str, tuple[list[str], list[str]]]:
             return {g: (list(data[g]["inputs"]), list(data[g]["outputs"])) for g in GRAPHS}
         except (ValueError, KeyError, TypeError) as e:
             raise ModelError(f"'{manifest}' does not list inputs and outputs of {', '.join(GRAPHS)}: {e}") from None
-    layers = _decoder_layers(path)
-    return {
-        ENCODER: (["input_ids", "attention_mask"], ["last_hidden_state"]),
-        DECODER: (
-            ["encoder_attention_mask", "input_ids", "encoder_hidden_states"],
-            ["logits", *present_names(layers)],
-        ),
-        DECODER_WITH_PAST: (
-            ["encoder_attention_mask", "input_ids", *past_names(layers)],
-            ["logits", *present_names(layers, cross=False)],
-        ),
-    }
+    return {g: (list(ins), list(outs)) for g, (ins, outs) in graph_io(_decoder_layers(path)).items()}
 
 
 def _decoder_layers(path: Path) -> int:
