@@ -27,6 +27,10 @@ class ExportError(T5CompressError):
     """An export failed or did not match PyTorch within tolerance."""
 
 
+class QuantizeError(T5CompressError):
+    """Quantization failed, or its result is too far from the fp32 model to ship."""
+
+
 def first_line(e: BaseException) -> str:
     """The first non-empty line of an exception's message (library errors are often pages long)."""
     lines = [line for line in str(e).strip().splitlines() if line.strip()]

@@ -87,6 +87,23 @@ def _metric_rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("max |export - PyTorch|", f"{diffs} (atol {parity.get('atol')})"))
     if "generation" in parity:
         rows.append(("greedy == generate", "yes" if parity["generation"].get("identical") else "NO"))
+    return rows + _int8_rows(report)
+
+
+def _int8_rows(report: dict) -> list[tuple[str, str]]:
+    """What `quantize` measured: mode, size against fp32, agreement with fp32, task metrics side by side."""
+    if report.get("stage") != "quantize":
+        return []
+    how = report["mode"] + (f", {report['method']}, {report['format']}" if report["mode"] == "static" else "")
+    size, check = report["size"], report["check"]
+    rows = [("int8", how),
+            ("size vs fp32", f"{_human(size['int8_bytes'])} vs {_human(size['fp32_bytes'])} ({size['ratio']:.2f}x)"),
+            ("agreement with fp32", f"next token {check['next_token_agreement']:.2%}, greedy outputs "
+                                    f"{check['greedy_agreement']:.2%} ({check['texts']} {check['on']})")]
+    ev = report.get("eval")
+    if ev:
+        for k in ("exact_match", "rougeL", "bleu"):
+            rows.append((f"{k} fp32 → int8", f"{ev['fp32'][k]} → {ev['int8'][k]} ({ev['examples']} examples)"))
     return rows
 
 

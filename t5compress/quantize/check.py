@@ -1,0 +1,63 @@
+"""What an int8 export is checked on: it cannot match fp32 to 1e-4, so check what matters to its users.
+
+- Teacher-forced next-token agreement and logit error: both models read the same inputs and the fp32 model's own
+  greedy outputs; per position, does the int8 model pick the same next token, and how far are its logits (relative
+  to the fp32 logits' scale)? This is the number a broken quantization cannot hide, so it has a threshold.
+- Greedy agreement: the share of whole generated outputs that are identical.
+- Task metrics (exact match, ROUGE-L, BLEU) of both on held-out data, when there is some.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from t5compress.quantize.calibrate import batches
+
+
+def teacher_forced(fp32, int8, texts: Sequence[str], batch_size: int = 16, max_new_tokens: int = 32) -> dict:
+    """Next-token agreement and logit error of `int8` against `fp32` (two runtimes) along fp32's greedy outputs."""
+    agree = total = 0
+    worst_rel, sum_rel = 0.0, 0.0
+    rows = 0
+    for chunk in batches(texts, batch_size):
+        ids, mask = fp32.encode(chunk)
+        seq = fp32.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)  # (batch, 1 + steps)
+        ref, got = _logits(fp32, ids, mask, seq), _logits(int8, ids, mask, seq)  # (batch, steps, vocab)
+        live = seq[:, 1:] != fp32.tokens.pad  # (batch, steps): positions before padding
+        live[:, 0] = True
+        same = ref.argmax(-1) == got.argmax(-1)
+        agree += int((same & live).sum())
+        total += int(live.sum())
+        scale = np.abs(ref).max(axis=(1, 2))  # (batch,)
+        rel = np.abs(got - ref).max(axis=(1, 2)) / np.maximum(scale, 1e-6)
+        worst_rel = max(worst_rel, float(rel.max()))
+        sum_rel += float(rel.sum())
+        rows += len(chunk)
+    return {"next_token_agreement": round(agree / max(total, 1), 4), "positions": total,
+            "max_rel_logit_error": round(worst_rel, 4), "mean_rel_logit_error": round(sum_rel / max(rows, 1), 4)}
+
+
+def _logits(rt, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Logits for every position of `seq` (decoder input = seq without its last token), one decoder call."""
+    hidden = rt.backend.encoder.run({"input_ids": ids, "attention_mask": mask})["last_hidden_state"]
+    out = rt.backend.decoder.run({"input_ids": seq[:, :-1], "encoder_hidden_states": hidden,
+                                  "encoder_attention_mask": mask})
+    return out["logits"].astype(np.float32)
+
+
+def greedy_outputs(rt, texts: Sequence[str], batch_size: int = 32, max_new_tokens: int = 32) -> list[str]:
+    """Greedy outputs in the order of `texts` (batched by length, so padding stays small)."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    out: list[str] = [""] * len(texts)
+    for i in range(0, len(order), batch_size):
+        idx = order[i : i + batch_size]
+        for j, text in zip(idx, rt.generate_text([texts[k] for k in idx], max_new_tokens=max_new_tokens),
+                           strict=True):
+            out[j] = text.strip()
+    return out
+
+
+def agreement(a: Sequence[str], b: Sequence[str]) -> float:
+    return round(sum(x == y for x, y in zip(a, b, strict=True)) / max(len(a), 1), 4)

@@ -1,0 +1,283 @@
+"""The quantize stage: an fp32 ONNX export dir in, an int8 export dir out (static or dynamic), checked against fp32.
+
+    run(src, QuantizeConfig(mode="static", calib_data="train.jsonl"), out) -> report
+
+Static int8 calibrates every graph on the tensors it really sees while the fp32 runtime generates from the
+calibration texts (see `calibrate`). The result keeps the export dir's file and tensor names, so `t5compress
+generate`, optimum's `ORTModelForSeq2SeqLM` and the Triton packaging use it like any other export dir. Nothing is
+written when the int8 model's next-token agreement with fp32 falls below `min_agreement`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from t5compress import artifacts
+from t5compress.config import option as opt
+from t5compress.config import require
+from t5compress.errors import ModelError, QuantizeError, first_line
+from t5compress.names import DECODER_MERGED, ENCODER, GRAPHS, ONNX_SUFFIX
+from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
+
+log = logging.getLogger(__name__)
+
+MODES = ("static", "dynamic")
+KEEP_AUTO, KEEP_NONE = "auto", "none"
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    mode: str = opt("static", "static (calibrated activation ranges) or dynamic (ranges computed per call).")
+    calib_data: str | None = opt(None, "Calibration texts: any data file `train` reads (its source field) or a .txt "
+                                       "file with one text per line. Required for static.")
+    field: str = opt("source", "Field of the calibration and eval records holding the input text.")
+    prefix: str = opt("", "Task prefix added to every calibration and eval text, as in `train`.")
+    samples: int = opt(128, "Calibration texts used (the file must hold at least this many).")
+    batch_size: int = opt(16, "Calibration texts generated together.")
+    max_new_tokens: int = opt(32, "Tokens generated per calibration text (decoder steps calibrated).")
+    method: str = opt("minmax", "Calibration method: minmax, entropy or percentile.")
+    percentile: float = opt(99.999, "Percentile kept by the percentile method.")
+    per_channel: bool = opt(True, "One weight scale per output channel (else one per tensor).")
+    format: str = opt("qdq", "qdq (QuantizeLinear/DequantizeLinear pairs) or qoperator (QLinear* operators).")
+    op_types: tuple[str, ...] = opt(("MatMul", "Gemm"), "Op types quantized. MatMul/Gemm mean the linear layers "
+                                                       "(constant weights); others are quantized wherever they occur.")
+    embeddings: bool = opt(True, "Also store the token embedding (Gather) as int8.")
+    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (T5's FFN output `wo` for gated-gelu models, unless "
+                                    "smoothed), none, or comma-separated name parts, e.g. 'DenseReluDense/wo/'.")
+    smooth_alpha: float = opt(0.0, "SmoothQuant migration strength for `wo` inputs (0 disables; 0.5 is typical): "
+                                   "keeps `wo` int8 without its outliers.")
+    eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side.")
+    eval_max: int = opt(200, "Evaluate on at most this many eval records.")
+    min_agreement: float = opt(0.9, "Refuse the result when int8 picks fp32's next token less often than this.")
+    threads: int = opt(0, "ONNX Runtime threads while calibrating and checking (0: all cores).")
+
+    def __post_init__(self) -> None:
+        require(self.mode in MODES, "mode", f"choose one of {', '.join(MODES)}")
+        require(self.mode == "dynamic" or bool(self.calib_data), "calib_data",
+                "static quantization needs calibration texts (--calib-data FILE), or use --dynamic")
+        require(self.method in CALIBRATION_METHODS, "method", f"choose one of {', '.join(CALIBRATION_METHODS)}")
+        require(self.format in FORMATS, "format", f"choose one of {', '.join(FORMATS)}")
+        require(self.samples >= 1, "samples", f"must be >= 1, got {self.samples}")
+        require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        require(0 < self.percentile <= 100, "percentile", f"must be in (0, 100], got {self.percentile}")
+        require(bool(self.op_types), "op_types", "give at least one op type, e.g. MatMul")
+        require(0 <= self.smooth_alpha <= 1, "smooth_alpha", f"must be in [0, 1], got {self.smooth_alpha}")
+        require(self.smooth_alpha == 0 or bool(self.calib_data), "smooth_alpha",
+                "smoothing measures activations: give --calib-data")
+        require(0 <= self.min_agreement <= 1, "min_agreement", f"must be in [0, 1], got {self.min_agreement}")
+        require(self.eval_max >= 1, "eval_max", f"must be >= 1, got {self.eval_max}")
+
+
+def check_export_dir(src: Path) -> None:
+    """An fp32 ONNX export with the three graphs, not quantized already: else one line saying what is wrong."""
+    from t5compress.quantize.graphs import is_quantized
+
+    if not src.is_dir():
+        raise ModelError(f"'{src}' is not a directory")
+    missing = [f"{g}{ONNX_SUFFIX}" for g in GRAPHS if not (src / f"{g}{ONNX_SUFFIX}").is_file()]
+    if missing and (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file() and (src / f"{ENCODER}{ONNX_SUFFIX}").is_file():
+        raise ModelError(f"'{src}' holds only the merged decoder; quantize needs the separate decoder graphs "
+                         f"(export again with them)")
+    if missing:
+        raise ModelError(f"'{src}' is not a complete ONNX export directory: missing {', '.join(missing)}")
+    done = [g for g in GRAPHS if is_quantized(src / f"{g}{ONNX_SUFFIX}")]
+    if done:
+        raise ModelError(f"'{src}' is already quantized ({', '.join(done)} hold int8 ops); quantize its fp32 export")
+
+
+def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, force: bool = False,
+        progress: bool = True) -> dict:
+    """Quantize the export dir `src` into `out`; returns the report (also written to out/report.json)."""
+    from t5compress.quantize.calibrate import load_texts
+
+    out = artifacts.check_output(out, force)
+    src = Path(src)
+    check_export_dir(src)
+    texts = load_texts(cfg.calib_data, cfg.field, cfg.prefix, cfg.samples) if cfg.calib_data else None
+    evalset = _eval_examples(cfg) if cfg.eval_data else None
+    started = time.perf_counter()
+    with artifacts.staged_output(out, force) as tmp:
+        for f in sorted(src.iterdir()):  # config, tokenizer, graphs.json: everything but the graphs and old reports
+            if f.is_file() and not f.name.endswith((ONNX_SUFFIX, ".onnx_data")) and f.name not in (
+                    artifacts.META_FILE, artifacts.REPORT_FILE):
+                shutil.copy2(f, tmp / f.name)
+        graphs = _quantize_graphs(src, tmp, cfg, texts, progress)
+        report = {"stage": "quantize", **_settings(cfg), "graphs": graphs, "size": _sizes(src, tmp)}
+        report.update(_check(src, tmp, cfg, texts, evalset))
+        report["seconds"] = round(time.perf_counter() - started, 2)
+        artifacts.write_meta(tmp, "quantize", asdict(cfg), parent=src)
+        artifacts.write_report(tmp, report)
+    log.info("int8 export written to %s", out)
+    return report
+
+
+def _settings(cfg: QuantizeConfig) -> dict:
+    s = {"mode": cfg.mode, "format": cfg.format, "per_channel": cfg.per_channel, "op_types": list(cfg.op_types),
+         "embeddings": cfg.embeddings}
+    if cfg.mode == "static":
+        s.update(method=cfg.method, samples=cfg.samples, calib_data=cfg.calib_data)
+    return s
+
+
+def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str] | None, progress: bool) -> dict:
+    """Quantize the three graphs (smoothing first on request) into `tmp`; re-merge the decoders if `src` had it."""
+    from t5compress.quantize.methods import StaticGraph, scratch_dir, write_dynamic
+    from t5compress.runtime import load_runtime
+
+    with scratch_dir(tmp.parent) as scratch:
+        work = Path(scratch)
+        sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
+        smoothing = None
+        if cfg.smooth_alpha > 0:
+            sources, smoothing = _smooth(sources, cfg, texts, work, progress)
+        plans = {g: plan_for(sources[g], cfg) for g in GRAPHS}
+        feeds: dict[str, int] = {}
+        if cfg.mode == "static":
+            calibrators = {g: StaticGraph(sources[g], plans[g], cfg.method, work, cfg.percentile) for g in GRAPHS}
+            fp32 = load_runtime(src, threads=cfg.threads)
+            feeds = _drive(fp32, texts, {g: [c] for g, c in calibrators.items()}, cfg, progress, "calibrating")
+            for g in GRAPHS:
+                calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel)
+        else:
+            for g in GRAPHS:
+                write_dynamic(sources[g], tmp / f"{g}{ONNX_SUFFIX}", plans[g], cfg.per_channel)
+    if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
+        from t5compress.export.onnx import write_merged
+
+        write_merged(tmp, external=False)
+    out = {g: {"quantized_nodes": len(plans[g].nodes), "kept_fp32": list(plans[g].exclude),
+               **({"calibration_feeds": feeds[g]} if feeds else {})} for g in GRAPHS}
+    if smoothing:
+        out["smooth_quant"] = smoothing
+    return out
+
+
+def plan_for(path: Path, cfg: QuantizeConfig):
+    """The nodes of one graph to quantize and to keep fp32 (see `quantize.graphs`)."""
+    import onnx
+
+    from t5compress.quantize.graphs import embedding_nodes, ffn_output_nodes, linear_nodes, matching
+    from t5compress.quantize.methods import Plan
+
+    model = onnx.load(str(path), load_external_data=False)
+    linear_ops = tuple(t for t in cfg.op_types if t in ("MatMul", "Gemm"))
+    nodes = linear_nodes(model, linear_ops) if linear_ops else []
+    nodes += [n.name for n in model.graph.node if n.op_type in cfg.op_types and n.op_type not in ("MatMul", "Gemm")]
+    op_types = list(cfg.op_types)
+    if cfg.embeddings:
+        nodes += [n for n in embedding_nodes(model) if n not in nodes]
+        op_types += ["Gather"] if "Gather" not in op_types else []
+    if cfg.keep_fp32 == KEEP_AUTO:
+        gated = _is_gated(path.parent)
+        keep = ffn_output_nodes(nodes) if gated and cfg.smooth_alpha == 0 else []
+    elif cfg.keep_fp32 == KEEP_NONE:
+        keep = []
+    else:
+        keep = matching(nodes, tuple(p.strip() for p in cfg.keep_fp32.split(",") if p.strip()))
+    return Plan(tuple(n for n in nodes if n not in keep), tuple(keep), tuple(op_types))
+
+
+def _is_gated(export_dir: Path) -> bool:
+    config = artifacts.read_json(export_dir / "config.json") or {}
+    return str(config.get("feed_forward_proj", "relu")).startswith("gated")
+
+
+def _smooth(sources: dict[str, Path], cfg: QuantizeConfig, texts: list[str], work: Path, progress: bool):
+    """Measure `wo` input channels on the calibration texts, then write rescaled fp32 graphs into `work`."""
+    import onnx
+
+    from t5compress.quantize.smooth import ChannelMax, ffn_pairs, smooth
+    from t5compress.runtime import load_runtime
+
+    pairs = {g: ffn_pairs(onnx.load(str(p))) for g, p in sources.items()}
+    meters = {g: ChannelMax(sources[g], pairs[g], work) for g in GRAPHS if pairs[g]}
+    fp32 = load_runtime(sources[ENCODER].parent, threads=cfg.threads)
+    _drive(fp32, texts, {g: [m] for g, m in meters.items()}, cfg, progress, "measuring wo inputs")
+    smoothed, summary = dict(sources), {}
+    for g, meter in meters.items():
+        smoothed[g] = work / f"{g}.smoothed{ONNX_SUFFIX}"
+        summary[g] = smooth(sources[g], smoothed[g], pairs[g], meter.amax, cfg.smooth_alpha)
+    return smoothed, summary
+
+
+def _drive(runtime, texts: list[str], sinks: dict, cfg: QuantizeConfig, progress: bool, what: str) -> dict[str, int]:
+    from t5compress.quantize.calibrate import drive
+
+    if not progress:
+        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(what, total=len(texts))
+        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens,
+                     progress=lambda n: bar.advance(task, n))
+
+
+def _sizes(src: Path, out: Path) -> dict:
+    def total(d: Path) -> int:
+        return sum(f.stat().st_size for f in d.iterdir() if f.name.endswith((ONNX_SUFFIX, ".onnx_data")))
+
+    before, after = total(src), total(out)
+    files = {f.name: [f.stat().st_size, (out / f.name).stat().st_size] for f in sorted(src.iterdir())
+             if f.name.endswith(ONNX_SUFFIX) and (out / f.name).is_file()}
+    return {"fp32_bytes": before, "int8_bytes": after, "ratio": round(after / before, 4), "files": files}
+
+
+def _eval_examples(cfg: QuantizeConfig):
+    from t5compress.data import DataConfig, load_examples
+
+    return load_examples(cfg.eval_data, DataConfig(source_field=cfg.field))[: cfg.eval_max]
+
+
+def _check(src: Path, out: Path, cfg: QuantizeConfig, texts: list[str] | None, evalset) -> dict:
+    """Teacher-forced agreement (thresholded), greedy agreement, and task metrics of fp32 vs int8."""
+    from t5compress import metrics
+    from t5compress.quantize.check import agreement, greedy_outputs, teacher_forced
+    from t5compress.runtime import load_runtime
+
+    fp32, int8 = load_runtime(src, threads=cfg.threads), load_runtime(out, threads=cfg.threads)
+    on = "calibration texts" if texts else "eval texts"
+    check_texts = texts or ([cfg.prefix + e.source for e in evalset] if evalset else None)
+    if check_texts is None:
+        check_texts, on = _probe_texts(fp32), "generated probe texts"
+    check_texts = check_texts[:64]
+    a = greedy_outputs(fp32, check_texts, max_new_tokens=cfg.max_new_tokens)
+    try:
+        tf = teacher_forced(fp32, int8, check_texts, cfg.batch_size, cfg.max_new_tokens)
+        b = greedy_outputs(int8, check_texts, max_new_tokens=cfg.max_new_tokens)
+    except Exception as e:  # onnxruntime's own types: an int8 graph that cannot even run is a broken quantization
+        raise QuantizeError(f"the int8 graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
+                            "nothing was written") from e
+    result = {"check": {**tf, "greedy_agreement": agreement(a, b), "texts": len(check_texts), "on": on,
+                        "min_agreement": cfg.min_agreement}}
+    if tf["next_token_agreement"] < cfg.min_agreement:
+        raise QuantizeError(
+            f"int8 picks fp32's next token at {tf['next_token_agreement']:.1%} of positions on the {on}, below "
+            f"--min-agreement {cfg.min_agreement:g}: the quantization is broken (fewer --op-types, keep more "
+            f"nodes fp32, or another --method); nothing was written"
+        )
+    if evalset:
+        sources = [cfg.prefix + e.source for e in evalset]
+        targets = [e.target for e in evalset]
+        p32 = greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens)
+        p8 = greedy_outputs(int8, sources, max_new_tokens=cfg.max_new_tokens)
+        result["eval"] = {"fp32": metrics.compute(p32, targets), "int8": metrics.compute(p8, targets),
+                          "greedy_agreement": agreement(p32, p8), "examples": len(evalset), "data": cfg.eval_data}
+    return result
+
+
+def _probe_texts(rt, n: int = 32) -> list[str]:
+    """Without any data (dynamic, no --eval-data): texts decoded from random token ids of the model's vocabulary."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    vocab = rt.tokenizer.get_vocab_size()
+    texts = [rt.tokenizer.decode(rng.integers(3, vocab, int(rng.integers(4, 24))).tolist()) for _ in range(n)]
+    return [t for t in texts if t.strip()] or ["hello"]
+
