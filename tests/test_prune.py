@@ -330,3 +330,47 @@ def test_recover_without_a_teacher_is_refused(tiny_model_dir, demo_jsonl, tmp_pa
                                  "--distill"])
     assert result.exit_code != 0 and "pass --teacher" in result.output, result.output
     assert not (tmp_path / "r").exists()
+
+
+def test_distillation_loss_is_cross_entropy_plus_kl_to_the_teacher(tiny_model_dir, tiny_gated_dir):
+    from t5compress.distill import DistillConfig, distill_loss
+    from t5compress.evaluation import token_loss
+
+    student, batch = load_model(tiny_model_dir), _inputs()
+    same = distill_loss(copy.deepcopy(student), DistillConfig(alpha=1.0, hidden_weight=1.0))
+    assert float(same(student, batch)) == 0.0  # KL and hidden MSE to an identical teacher are exactly 0
+    ce_only = distill_loss(copy.deepcopy(student), DistillConfig(alpha=0.0))
+    assert torch.equal(ce_only(student, batch), token_loss(student, batch))
+    teacher = load_model(tiny_gated_dir)
+    loss = distill_loss(teacher, DistillConfig(alpha=0.5, temperature=2.0))(student, batch)
+    assert float(loss) > 0.5 * float(token_loss(student, batch))
+    loss.backward()
+    assert student.shared.weight.grad is not None and all(p.grad is None for p in teacher.parameters())
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_recovery_resumes_where_an_uninterrupted_run_ends(tiny_model_dir, demo_jsonl, tmp_path):
+    from safetensors.torch import load_file
+
+    from t5compress.trainer import TrainConfig
+
+    train = TrainConfig(max_steps=6, batch_size=8, lr=1e-3, eval_every=3, save_every=2, eval_max_examples=8,
+                        metric="loss")
+    cfg = _cfg(demo_jsonl, heads=0.5, ffn=0.25, latency_examples=0, eval_max_examples=8,
+               recover=RecoverConfig(data=str(demo_jsonl), distill=True, train=train))
+    run(str(tiny_model_dir), cfg, tmp_path / "clean", progress=False)
+
+    def kill(state):
+        if state["step"] == 5:
+            raise _Killed()
+
+    with pytest.raises(_Killed):
+        run(str(tiny_model_dir), cfg, tmp_path / "resumed", progress=False, on_step=kill)
+    assert (tmp_path / "resumed.partial" / "ckpt-0000004").is_dir() and not (tmp_path / "resumed").exists()
+    report = run(str(tiny_model_dir), cfg, tmp_path / "resumed", progress=False, resume=True)
+    assert report["recovery"]["train"]["resumed_from_step"] == 4
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("clean", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
