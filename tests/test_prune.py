@@ -250,29 +250,30 @@ def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
     return root / "trained"
 
 
-def _recover(data: Path, distill: bool, steps: int = 120) -> RecoverConfig:
+def _recover(data: Path, distill: bool, steps: int = 80) -> RecoverConfig:
     from t5compress.data import DataConfig
     from t5compress.trainer import TrainConfig
 
-    train = TrainConfig(max_steps=steps, batch_size=16, lr=2e-3, eval_every=steps // 2, eval_max_examples=24,
+    train = TrainConfig(max_steps=steps, batch_size=16, lr=3e-3, eval_every=steps, eval_max_examples=24,
                         metric="loss")
     return RecoverConfig(data=str(data), distill=distill, data_cfg=DataConfig(max_target_length=48), train=train)
 
 
 @pytest.mark.slow
 def test_recovery_with_distillation_wins_back_what_pruning_lost(trained_dir, demo_jsonl, tmp_path):
-    cfg = _cfg(demo_jsonl, heads=0.5, ffn=0.5, eval_max_examples=24, data=DataConfig(max_target_length=48),
+    cfg = _cfg(demo_jsonl, heads=0.5, ffn=0.5, eval_max_examples=24, latency_examples=0,
+               data=DataConfig(max_target_length=48),
                recover=_recover(demo_jsonl, distill=True))
     report = run(str(trained_dir), cfg, tmp_path / "r", progress=False)
     before, pruned, recovered = (report[k]["eval"] for k in ("before", "after_pruning", "after_recovery"))
     print(json.dumps({"before": before, "pruned": pruned, "recovered": recovered}))
     assert 5 < before["rougeL"] < 95, before  # real, not perfect skill
     assert pruned["rougeL"] < before["rougeL"] - 5 and pruned["loss"] > before["loss"] + 0.2, (before, pruned)
-    # Stated margin: recovery wins back at least 60% of the ROUGE-L and of the loss that pruning lost
-    # (measured here: rougeL 29.5 -> 0.0 -> 24.6, loss 1.41 -> 2.73 -> 1.48).
-    assert recovered["rougeL"] >= pruned["rougeL"] + 0.6 * (before["rougeL"] - pruned["rougeL"]), report
-    assert recovered["loss"] <= pruned["loss"] - 0.6 * (pruned["loss"] - before["loss"]), report
-    assert report["recovery"]["distill"]["alpha"] == 0.5 and report["recovery"]["train"]["steps"] == 120
+    # Stated margin: 80 recovery steps win back at least half the ROUGE-L and three quarters of the loss that
+    # pruning lost (measured here: rougeL 29.5 -> 0.0 -> 18.3, loss 1.41 -> 2.73 -> 1.60).
+    assert recovered["rougeL"] >= pruned["rougeL"] + 0.5 * (before["rougeL"] - pruned["rougeL"]), report
+    assert recovered["loss"] <= pruned["loss"] - 0.75 * (pruned["loss"] - before["loss"]), report
+    assert report["recovery"]["distill"]["alpha"] == 0.5 and report["recovery"]["train"]["steps"] == 80
 
 
 def _ok(args: list[str]) -> str:
