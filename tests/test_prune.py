@@ -58,8 +58,7 @@ def _zero_channels(ff, channels: slice) -> None:
 
 
 def _prune(model, criterion: str, schedule: str, batches: list[dict], **targets):
-    ratios = {k.replace("_", "."): v for k, v in targets.items() if "." in k.replace("_", ".", 1)
-              and not k.endswith("layers")}
+    ratios = {k.replace("_", ".", 1): v for k, v in targets.items() if not k.endswith("_layers")}  # encoder.heads
     t = Targets(ratios, targets.get("encoder_layers"), targets.get("decoder_layers"))
     plan = SCHEDULES[schedule](model, SCORES[criterion](model, batches), t)
     apply_plan(model, plan)

@@ -24,23 +24,29 @@ def size(model) -> dict:
 
 
 @torch.no_grad()
-def latency_ms(model, tokenizer, examples: list[Example], cfg: DataConfig, new_tokens: int) -> float | None:
-    """Median ms of greedy `generate` at batch 1 with exactly `new_tokens` new tokens (first call is warm-up)."""
+def latency_ms(models: list, tokenizer, examples: list[Example], cfg: DataConfig, new_tokens: int,
+               repeat: int = 3) -> list[float | None]:
+    """Median ms of greedy `generate` at batch 1 with exactly `new_tokens` new tokens, per model.
+
+    The models take turns on every example (after one warm-up call each), so that a load change on a shared
+    machine hits them alike; before/after numbers measured minutes apart are not comparable.
+    """
     from t5compress.evaluation import generate_kwargs
 
     if not examples:
-        return None
-    model.eval()
+        return [None] * len(models)
     enc = encode(examples, tokenizer, cfg)
-    times = []
-    for i, ids in enumerate([enc.input_ids[0], *enc.input_ids]):
+    times: list[list[float]] = [[] for _ in models]
+    for i, ids in enumerate([enc.input_ids[0]] + enc.input_ids * repeat):
         x = torch.tensor([ids])
-        t0 = time.perf_counter()
-        model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, num_beams=1, **generate_kwargs(model))
-        if i:
-            times.append(1000 * (time.perf_counter() - t0))
-    return round(statistics.median(times), 2)
+        for j, model in enumerate(models):
+            model.eval()
+            t0 = time.perf_counter()
+            model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, num_beams=1, **generate_kwargs(model))
+            if i:
+                times[j].append(1000 * (time.perf_counter() - t0))
+    return [round(statistics.median(t), 2) for t in times]
 
 
 def measure_eval(model, tokenizer, examples: list[Example], cfg: DataConfig, batch_size: int = 32) -> dict:

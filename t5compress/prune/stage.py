@@ -86,21 +86,17 @@ def calibration_batches(model, tokenizer, examples, cfg: PruneConfig) -> list[di
     return [{k: v.to(device) for k, v in collate(enc, idx, tokenizer.pad_token_id).items()} for idx in order]
 
 
-def _snapshot(model, tokenizer, eval_ex, lat_ex, cfg: PruneConfig, with_eval: bool = True) -> dict:
+def _snapshot(model, tokenizer, eval_ex, cfg: PruneConfig) -> dict:
     from t5compress.prune import measure
 
-    out = measure.size(model)
-    out["latency_ms"] = measure.latency_ms(model, tokenizer, lat_ex, cfg.data, cfg.latency_new_tokens)
-    if with_eval:
-        out["eval"] = measure.measure_eval(model, tokenizer, eval_ex, cfg.data)
-    return out
+    return {**measure.size(model), "eval": measure.measure_eval(model, tokenizer, eval_ex, cfg.data)}
 
 
 def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force: bool = False,
         resume: bool = False, progress: bool = True, on_step=None) -> dict:
     """Prune `src` into `out` as `cfg` says (recovering when `cfg.recover`); returns the report."""
     from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
-    from t5compress.prune import layout, schedule, units
+    from t5compress.prune import layout, measure, schedule, units
 
     out = artifacts.check_output(out, force)
     model, tokenizer = load_model(src), load_tokenizer(src)
@@ -117,12 +113,14 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force:
 
         work = _prepare_workdir(out, cfg, force, resume)
     started = time.perf_counter()
-    before = _snapshot(model, tokenizer, eval_ex, lat_ex, cfg)
-    teacher = copy.deepcopy(model) if cfg.recover is not None and cfg.recover.distill else None
+    before = _snapshot(model, tokenizer, eval_ex, cfg)
+    unpruned = copy.deepcopy(model) if cfg.latency_examples or (cfg.recover and cfg.recover.distill) else None
     scores = SCORES[cfg.criterion](model, calibration_batches(model, tokenizer, calib_ex, cfg))
     plan = SCHEDULES[cfg.schedule](model, scores, targets)
     schedule.apply_plan(model, plan)
-    pruned = _snapshot(model, tokenizer, eval_ex, lat_ex, cfg)
+    pruned = _snapshot(model, tokenizer, eval_ex, cfg)
+    before["latency_ms"], pruned["latency_ms"] = measure.latency_ms(
+        [unpruned, model], tokenizer, lat_ex, cfg.data, cfg.latency_new_tokens)
     log.info("pruned: %d -> %d parameters", before["parameters"], pruned["parameters"])
     report = {
         "stage": "prune",
@@ -141,8 +139,9 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force:
     if cfg.recover is not None:
         from t5compress.prune.recover import recover_model
 
+        teacher = unpruned if cfg.recover.distill else None
         report["recovery"] = recover_model(model, tokenizer, teacher, cfg.recover, work, resume, progress, on_step)
-        report["after_recovery"] = {"eval": _snapshot(model, tokenizer, eval_ex, [], cfg)["eval"]}
+        report["after_recovery"] = {**pruned, **_snapshot(model, tokenizer, eval_ex, cfg)}  # same shapes, new metric
     report["eval"] = (report["after_recovery"] or pruned)["eval"]  # what `t5compress info` shows
     report["seconds"] = round(time.perf_counter() - started, 1)
     if not report["plain"]:
