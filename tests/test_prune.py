@@ -89,6 +89,7 @@ def test_zero_importance_heads_are_removed_bit_identically(tiny_model_dir, sched
         scores = SCORES[name](model, _batches())
         for group, want_zero in zeroed.items():
             assert _zeros(scores[group]) == want_zero, (name, group)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # scoring leaves no trace
     plan = _prune(model, "taylor", schedule, _batches(), encoder_heads=0.25, decoder_heads=0.25, decoder_cross=0.25)
     assert plan["encoder.heads"] == [[0, 2, 3]] * 2 and plan["decoder.heads"] == [[0, 1, 3]] * 2
     assert plan["decoder.cross"] == [[0, 1, 2], [1, 2, 3]]

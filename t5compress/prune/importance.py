@@ -107,19 +107,22 @@ def taylor(model, batches: Iterable[dict[str, torch.Tensor]]) -> Scores:
     """|d loss / d gate| per unit, summed over batches: the loss change if the unit were removed, to first order."""
     was = model.training
     model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # only the gates need gradients: the backward pass skips every weight gradient
+        p.requires_grad_(False)
     totals: Scores = {}
     try:
         with _gates(model, None, requires_grad=True) as gates:
             totals = {k: [torch.zeros_like(g) for g in v] for k, v in gates.items()}
             for batch in batches:
-                model.zero_grad(set_to_none=True)
                 _loss(model, batch).backward()
                 for k, gs in gates.items():
                     for t, g in zip(totals[k], gs, strict=True):
                         t += g.grad.detach().abs()
                         g.grad = None
     finally:
-        model.zero_grad(set_to_none=True)
+        for p in params:
+            p.requires_grad_(True)
         model.train(was)
     return {k: [t.cpu() for t in v] for k, v in totals.items()}
 
