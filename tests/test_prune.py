@@ -230,6 +230,8 @@ def test_config_and_plan_reject_bad_values():
                       (dict(criterion="nope"), "criterion"), (dict(schedule="nope"), "schedule")):
         with pytest.raises(ConfigError, match=field):
             PruneConfig(calib_data="x.jsonl", **kw)
+    with pytest.raises(ConfigError, match="only a recovery can be resumed"):
+        run("any", PruneConfig(calib_data="x.jsonl", heads=0.5), "out", resume=True)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from t5compress import artifacts
 from t5compress.config import choose, option, require
 from t5compress.data import DataConfig, batch_order, collate, encode, load_splits
+from t5compress.errors import ConfigError
 from t5compress.prune.importance import SCORES
 from t5compress.prune.recover import RecoverConfig
 from t5compress.prune.schedule import SCHEDULES, Targets
@@ -98,6 +99,8 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force:
     from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
     from t5compress.prune import layout, measure, schedule, units
 
+    if resume and cfg.recover is None:
+        raise ConfigError("resume: only a recovery can be resumed; give the same --recover-data as the first run")
     out = artifacts.check_output(out, force)
     model, tokenizer = load_model(src), load_tokenizer(src)
     calib_ex, eval_ex, data_stats = load_splits(cfg.calib_data, cfg.eval_data, cfg.data)
