@@ -118,7 +118,12 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force:
     started = time.perf_counter()
     before = _snapshot(model, tokenizer, eval_ex, cfg)
     unpruned = copy.deepcopy(model) if cfg.latency_examples or (cfg.recover and cfg.recover.distill) else None
-    scores = SCORES[cfg.criterion](model, calibration_batches(model, tokenizer, calib_ex, cfg))
+    batches = calibration_batches(model, tokenizer, calib_ex, cfg)
+    if progress:
+        from rich.progress import track
+
+        batches = track(batches, description=f"scoring ({cfg.criterion})", transient=True)
+    scores = SCORES[cfg.criterion](model, batches)
     plan = SCHEDULES[cfg.schedule](model, scores, targets)
     schedule.apply_plan(model, plan)
     pruned = _snapshot(model, tokenizer, eval_ex, cfg)
