@@ -236,7 +236,7 @@ def test_config_and_plan_reject_bad_values():
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
-    """A tiny T5 trained on the demo task to real but imperfect skill (rougeL ~40, exact match ~15 here)."""
+    """A tiny T5 trained on the demo task to real but imperfect skill (rougeL ~20, loss ~1.5 here)."""
     from conftest import build_tiny_t5
 
     from t5compress import training
@@ -246,7 +246,7 @@ def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
     root = tmp_path_factory.mktemp("trained")
     init = build_tiny_t5(root / "init", d_model=64, d_ff=128, d_kv=16)
     cfg = training.FinetuneConfig(train_data=str(demo_jsonl), data=DataConfig(max_target_length=48),
-                                  train=TrainConfig(max_steps=300, batch_size=16, lr=3e-3, eval_every=300,
+                                  train=TrainConfig(max_steps=240, batch_size=16, lr=4e-3, eval_every=240,
                                                     eval_max_examples=24, metric="loss"))
     training.run(str(init), cfg, root / "trained", progress=False)
     return root / "trained"
@@ -272,7 +272,7 @@ def test_recovery_with_distillation_wins_back_what_pruning_lost(trained_dir, dem
     assert 5 < before["rougeL"] < 95, before  # real, not perfect skill
     assert pruned["rougeL"] < before["rougeL"] - 5 and pruned["loss"] > before["loss"] + 0.2, (before, pruned)
     # Stated margin: 80 recovery steps win back at least half the ROUGE-L and three quarters of the loss that
-    # pruning lost (measured here: rougeL 29.5 -> 0.0 -> 18.3, loss 1.41 -> 2.73 -> 1.60).
+    # pruning lost (measured here: rougeL 20.6 -> 0.0 -> 13.6, loss 1.50 -> 2.58 -> 1.65).
     assert recovered["rougeL"] >= pruned["rougeL"] + 0.5 * (before["rougeL"] - pruned["rougeL"]), report
     assert recovered["loss"] <= pruned["loss"] - 0.75 * (pruned["loss"] - before["loss"]), report
     assert report["recovery"]["distill"]["alpha"] == 0.5 and report["recovery"]["train"]["steps"] == 80
