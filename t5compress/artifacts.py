@@ -74,10 +74,13 @@ def _umask() -> int:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON atomically (temporary file in the same directory, then rename)."""
+    """Write JSON atomically (temporary file in the same directory, then rename), with the umask's permissions."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes 0600; an output dir is often copied into a container and read by another user, so the file
+        # gets what open() would have given it (0666 minus the umask), like every other file in the dir.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
             f.write("\n")

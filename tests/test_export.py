@@ -69,6 +69,9 @@ def test_onnx_export_matches_pytorch_and_uses_optimum_names(relu_onnx, tiny_mode
     assert set(diffs) == {*GRAPHS, DECODER_MERGED}
     assert all(0 <= d < ATOL for d in diffs.values()), diffs
     assert report["parity"]["generation"]["identical"] and report["parity"]["cases"] == [list(c) for c in CASES]
+    worst = report["parity"]["worst"]
+    assert report["parity"]["rtol"] == 1e-5 and all(0 <= w["ratio"] <= 1 for w in worst.values()), worst
+    assert worst[DECODER]["allowed"] == pytest.approx(1e-4 + 1e-5 * worst[DECODER]["scale"])
     for f in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx", "config.json",
               "generation_config.json", "tokenizer.json", "graphs.json", "t5compress.json"):
         assert (out / f).is_file(), f
@@ -217,7 +220,7 @@ def test_cli_torchscript_happy_path_and_positional_order(tiny_model_dir, tmp_pat
 
 def test_cli_tolerance_failure_is_one_line_and_leaves_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "strict"
-    result = runner.invoke(app, ["export", str(tiny_model_dir), str(out), "--atol", "1e-12"])
+    result = runner.invoke(app, ["export", str(tiny_model_dir), str(out), "--atol", "1e-12", "--rtol", "0"])
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "differs from PyTorch" in lines[0] and "Traceback" not in result.output, result.output
@@ -257,6 +260,8 @@ def test_config_rejects_bad_values_naming_the_field():
         ExportConfig(opset=11)
     with pytest.raises(ConfigError, match="^atol"):
         ExportConfig(atol=-1)
+    with pytest.raises(ConfigError, match="^rtol"):
+        ExportConfig(rtol=float("nan"))
 
 
 def test_a_real_mismatch_raises_export_error(relu_onnx, tmp_path):
@@ -267,3 +272,23 @@ def test_a_real_mismatch_raises_export_error(relu_onnx, tmp_path):
     other = load_model(build_tiny_t5(tmp_path / "other", seed=5))
     with pytest.raises(ExportError, match="encoder_model differs from PyTorch"):
         verify(other, open_onnx(out, list(GRAPHS)), ATOL, 8, "ONNX export")
+
+
+@pytest.mark.slow
+def test_flan_t5_small_shape_passes_by_default_where_an_absolute_tolerance_fails(tmp_path):
+    """flan-t5-small's shape (random weights): logits ~100 put fp32 rounding above 1e-4 absolute, not relative."""
+    from t5compress.create import CreateConfig
+    from t5compress.create import run as create
+    from t5compress.export.verify import verify
+
+    src = tmp_path / "flan"
+    create(CreateConfig(arch="flan-t5-small", tokenizer="byte", overrides={"vocab_size": 32128}), src)
+    report = _export(src, tmp_path / "onnx")  # default tolerance
+    parity = report["parity"]
+    assert parity["generation"]["identical"] and all(w["ratio"] <= 1 for w in parity["worst"].values())
+    assert parity["worst"][DECODER]["scale"] > 10  # large logits: the case the relative part exists for
+    model = load_model(src)
+    graphs = open_onnx(tmp_path / "onnx", list(GRAPHS))
+    strict = max(parity["max_abs_diff"].values()) / 2  # an absolute-only tolerance below the real error is refused
+    with pytest.raises(ExportError, match=r"differs from PyTorch by .* rtol 0 x max\|ref\|"):
+        verify(model, graphs, strict, 4, "ONNX export", rtol=0.0)

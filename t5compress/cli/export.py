@@ -23,6 +23,7 @@ def export(
     optimize_level: Annotated[str, typer.Option(help=_h(E, "optimize_level"))] = _d(E, "optimize_level"),
     opset: Annotated[int, typer.Option(help=_h(E, "opset"))] = _d(E, "opset"),
     atol: Annotated[float, typer.Option(help=_h(E, "atol"))] = _d(E, "atol"),
+    rtol: Annotated[float, typer.Option(help=_h(E, "rtol"))] = _d(E, "rtol"),
     max_new_tokens: Annotated[int, typer.Option(help=_h(E, "max_new_tokens"))] = _d(E, "max_new_tokens"),
     force: Force = False,
 ) -> None:
@@ -33,12 +34,14 @@ def export(
         fail("choose one of --onnx and --torchscript")
     cfg = E(
         format="torchscript" if torchscript else "onnx", opset=opset, merged=merged, optimize=optimize,
-        optimize_level=optimize_level, atol=atol, max_new_tokens=max_new_tokens,
+        optimize_level=optimize_level, atol=atol, rtol=rtol, max_new_tokens=max_new_tokens,
     )
     report = run(model, cfg, out, force=force)
     parity = report["parity"]
     diffs = ", ".join(f"{name} {d:.2e}" for name, d in parity["max_abs_diff"].items())
     gen = parity["generation"]
     console.print(f"exported {cfg.format} graphs to [bold]{out}[/bold]")
-    console.print(f"max |export - PyTorch| (logits, cache): {diffs} (atol {parity['atol']:g})", highlight=False)
+    console.print(f"max |export - PyTorch| (logits, cache): {diffs}", highlight=False)
+    console.print(f"tolerance per tensor: atol {parity['atol']:g} + rtol {parity['rtol']:g} x max|PyTorch tensor|; "
+                  f"worst use of it: {max(w['ratio'] for w in parity['worst'].values()):.0%}", highlight=False)
     console.print(f"greedy tokens identical to model.generate ({gen['max_new_tokens']} new, batch {gen['batch']})")

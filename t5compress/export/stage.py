@@ -4,7 +4,8 @@
 
 An export dir uses Hugging Face optimum's seq2seq file and tensor names, so `ORTModelForSeq2SeqLM` loads it
 unchanged; `graphs.json` lists each graph's input and output names in positional order. Nothing is written unless
-every graph matches PyTorch within `atol` and greedy decoding over the graphs reproduces `model.generate`.
+every graph matches PyTorch within `atol + rtol * max|tensor|` and greedy decoding over the graphs reproduces
+`model.generate`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ class ExportConfig:
     merged: bool = option(False, help="Also write decoder_model_merged.onnx (one decoder, If on use_cache_branch).")
     optimize: bool = option(False, help="Replace the ONNX graphs by ONNX Runtime's offline-optimised ones (CPU).")
     optimize_level: str = option("extended", help="ONNX Runtime optimisation level: basic or extended.")
-    atol: float = option(1e-4, help="Largest absolute difference to PyTorch accepted in logits and cache outputs.")
+    atol: float = option(1e-4, help="Absolute part of the parity tolerance: each output tensor (logits, cache) must be"
+                         " within atol + rtol * max|PyTorch tensor| of PyTorch.")
+    rtol: float = option(1e-5, help="Relative part of the parity tolerance, times the tensor's largest magnitude (fp32"
+                         " rounding grows with the values: Flan-T5 logits reach ~100).")
     max_new_tokens: int = option(8, help="Tokens generated in the greedy check against model.generate.")
     external_data_threshold: int = option(
         EXTERNAL_DATA_THRESHOLD, help="Parameter bytes above which ONNX weights are saved as external data files."
@@ -48,6 +52,7 @@ class ExportConfig:
         require(self.opset >= 14, "opset", f"must be 14 or later (T5's causal mask needs Trilu), got {self.opset}")
         require(self.optimize_level in OPT_LEVELS, "optimize_level", f"choose one of {', '.join(OPT_LEVELS)}")
         require(self.atol >= 0 and self.atol == self.atol, "atol", f"must be a number >= 0, got {self.atol}")
+        require(self.rtol >= 0 and self.rtol == self.rtol, "rtol", f"must be a number >= 0, got {self.rtol}")
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         require(self.external_data_threshold >= 0, "external_data_threshold", "must be >= 0")
         onnx_only = self.format == "onnx" or not (self.merged or self.optimize)
@@ -66,13 +71,14 @@ def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportCo
         write_merged(out, external)
         names.append(DECODER_MERGED)
     section: dict = {"opset": cfg.opset, "external_data": external, "graphs": names}
-    section["parity"] = verify(model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, "ONNX export")
+    section["parity"] = verify(model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, "ONNX export", cfg.rtol)
     if cfg.optimize:
         for name in names:
             optimize_onnx(out / f"{name}{ONNX_SUFFIX}", cfg.optimize_level, external)
         section["parity_unoptimized"] = section["parity"]
         section["parity"] = verify(
-            model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, f"ONNX export optimised ({cfg.optimize_level})"
+            model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens,
+            f"ONNX export optimised ({cfg.optimize_level})", cfg.rtol,
         )
     return section
 
@@ -83,7 +89,7 @@ def export_torchscript_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: E
     from t5compress.export.verify import open_torchscript, verify
 
     export_torchscript(model, specs, out)
-    parity = verify(model, open_torchscript(out, specs), cfg.atol, cfg.max_new_tokens, "TorchScript export")
+    parity = verify(model, open_torchscript(out, specs), cfg.atol, cfg.max_new_tokens, "TorchScript export", cfg.rtol)
     return {"graphs": list(specs), "parity": parity}
 
 
