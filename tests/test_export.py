@@ -292,3 +292,29 @@ def test_flan_t5_small_shape_passes_by_default_where_an_absolute_tolerance_fails
     strict = max(parity["max_abs_diff"].values()) / 2  # an absolute-only tolerance below the real error is refused
     with pytest.raises(ExportError, match=r"differs from PyTorch by .* rtol 0 x max\|ref\|"):
         verify(model, graphs, strict, 4, "ONNX export", rtol=0.0)
+
+
+def _vocab_matrices(path: Path, vocab: int) -> list[tuple[int, ...]]:
+    """Shapes of the (vocab, d) / (d, vocab) initializers of a graph (If branches hoist theirs to the top)."""
+    import onnx
+
+    return [tuple(t.dims) for t in onnx.load(str(path)).graph.initializer if vocab in t.dims and len(t.dims) == 2]
+
+
+def test_tied_embedding_is_stored_once_per_graph(relu_onnx, gated_onnx, tiny_model_dir):
+    """Tied (T5 v1.0): embedding lookup and LM head read one (d, vocab) matrix; untied (v1.1) keeps both."""
+    import onnx
+
+    out, report = relu_onnx
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    vocab, d = config["vocab_size"], config["d_model"]
+    for g in (DECODER, DECODER_WITH_PAST, DECODER_MERGED):
+        assert _vocab_matrices(out / f"{g}.onnx", vocab) == [(d, vocab)], g
+    graph = onnx.load(str(out / f"{DECODER}.onnx")).graph
+    table = next(t.name for t in graph.initializer if tuple(t.dims) == (d, vocab))
+    lookups = [n for n in graph.node if n.op_type == "Gather" and n.input[0] == table]
+    assert len(lookups) == 1 and [(a.name, a.i) for a in lookups[0].attribute] == [("axis", 1)]
+    assert any(n.op_type == "MatMul" and n.input[1] == table for n in graph.node)
+    assert _vocab_matrices(out / f"{ENCODER}.onnx", vocab) == [(vocab, d)]
+    gated_out, _ = gated_onnx
+    assert sorted(_vocab_matrices(gated_out / f"{DECODER}.onnx", vocab)) == [(d, vocab), (vocab, d)]

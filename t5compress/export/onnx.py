@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from t5compress.errors import ExportError, first_line
-from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX
+from t5compress.export.tied import share_tied_weights
+from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX, USE_CACHE_BRANCH
 
 if TYPE_CHECKING:
     import onnx
@@ -28,10 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 17
-# A protobuf cannot exceed 2 GiB; a decoder graph can hold the embedding twice (gather + transposed lm head), so
-# the decision is made well below the limit.
+# A protobuf cannot exceed 2 GiB; the exporter's scratch decoder graph holds a tied embedding twice (gather +
+# transposed lm head) before `share_tied_weights` removes one, so the decision is made well below the limit.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
-USE_CACHE_BRANCH = "use_cache_branch"
 OPT_LEVELS = ("basic", "extended")
 
 
@@ -95,6 +95,9 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _check_io(proto, spec)
+    saved = share_tied_weights(proto)  # tied embedding + LM head: one matrix on disk, not two (no-op when untied)
+    if saved:
+        log.info("%s: tied embedding stored once (%.1f MB less)", spec.name, saved / 1e6)
     return save_onnx(proto, path, external)
 
 
