@@ -230,6 +230,13 @@ def _loosen(a: onnx.ValueInfoProto, b: onnx.ValueInfoProto) -> onnx.ValueInfoPro
     return out
 
 
+def remove_graph(out: Path, name: str) -> None:
+    """Delete `out/<name>.onnx` and its external data file, if any."""
+    path = out / f"{name}{ONNX_SUFFIX}"
+    for f in (path, path.with_name(data_file(path))):
+        f.unlink(missing_ok=True)
+
+
 def write_merged(out: Path, external: bool) -> list[Path]:
     """Build `decoder_model_merged.onnx` from the two decoder graphs already in `out`."""
     import onnx

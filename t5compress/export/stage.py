@@ -22,7 +22,16 @@ from t5compress import artifacts
 from t5compress.config import choose, option, require
 from t5compress.errors import ModelError
 from t5compress.export.onnx import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD, OPT_LEVELS, USE_CACHE_BRANCH
-from t5compress.names import DECODER, DECODER_MERGED, MANIFEST_FILE, ONNX_SUFFIX, past_names
+from t5compress.names import (
+    DECODER,
+    DECODER_MERGED,
+    DECODER_WITH_PAST,
+    ENCODER,
+    GRAPHS,
+    MANIFEST_FILE,
+    ONNX_SUFFIX,
+    past_names,
+)
 
 if TYPE_CHECKING:
     from t5compress.export.graphs import GraphSpec
@@ -31,11 +40,25 @@ log = logging.getLogger(__name__)
 
 
 
+# Graph files per decoder layout: optimum's two decoders, the merged one alone, or all three.
+DECODER_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "separate": GRAPHS,
+    "merged": (ENCODER, DECODER_MERGED),
+    "both": (*GRAPHS, DECODER_MERGED),
+}
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     format: str = option("onnx", help="Graph format: onnx or torchscript.")
     opset: int = option(DEFAULT_OPSET, help="ONNX opset version (14 or later; 17 is tested).")
-    merged: bool = option(False, help="Also write decoder_model_merged.onnx (one decoder, If on use_cache_branch).")
+    decoders: str = option(
+        "separate",
+        help="Decoder graphs (ONNX): separate (decoder_model + decoder_with_past_model, what optimum loads), merged"
+        " (decoder_model_merged alone: one graph switching on use_cache_branch, decoder weights on disk and in memory"
+        " once), or both.",
+    )
+    merged: bool = option(False, help="Also write decoder_model_merged.onnx (the same as decoders='both').")
     optimize: bool = option(False, help="Replace the ONNX graphs by ONNX Runtime's offline-optimised ones (CPU).")
     optimize_level: str = option("extended", help="ONNX Runtime optimisation level: basic or extended.")
     atol: float = option(1e-4, help="Absolute part of the parity tolerance: each output tensor (logits, cache) must be"
@@ -51,26 +74,46 @@ class ExportConfig:
         choose(EXPORTERS, self.format, "export format")
         require(self.opset >= 14, "opset", f"must be 14 or later (T5's causal mask needs Trilu), got {self.opset}")
         require(self.optimize_level in OPT_LEVELS, "optimize_level", f"choose one of {', '.join(OPT_LEVELS)}")
+        require(self.decoders in DECODER_LAYOUTS, "decoders", f"choose one of {', '.join(DECODER_LAYOUTS)}")
         require(self.atol >= 0 and self.atol == self.atol, "atol", f"must be a number >= 0, got {self.atol}")
         require(self.rtol >= 0 and self.rtol == self.rtol, "rtol", f"must be a number >= 0, got {self.rtol}")
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         require(self.external_data_threshold >= 0, "external_data_threshold", "must be >= 0")
-        onnx_only = self.format == "onnx" or not (self.merged or self.optimize)
-        require(onnx_only, "format", "--merged and --optimize apply to ONNX exports only")
+        onnx_only = self.format == "onnx" or not (self.layout != "separate" or self.optimize)
+        require(onnx_only, "format", "--merged, --decoders and --optimize apply to ONNX exports only")
+
+    @property
+    def layout(self) -> str:
+        """The decoder layout written: `decoders`, with the older `merged=True` meaning 'both'."""
+        return "both" if self.merged and self.decoders == "separate" else self.decoders
+
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        """The graph file stems the export dir holds."""
+        return DECODER_LAYOUTS[self.layout]
 
 
 def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportConfig) -> dict:
     """Write and verify the ONNX graphs (merged and optimised on request); returns the report section."""
-    from t5compress.export.onnx import export_onnx, needs_external_data, optimize_onnx, parameter_bytes, write_merged
+    from t5compress.export.onnx import (
+        export_onnx,
+        needs_external_data,
+        optimize_onnx,
+        parameter_bytes,
+        remove_graph,
+        write_merged,
+    )
     from t5compress.export.verify import open_onnx, verify
 
     external = needs_external_data(parameter_bytes(model), cfg.external_data_threshold)
     export_onnx(model, specs, out, cfg.opset, external)
-    names = list(specs)
-    if cfg.merged:
+    if DECODER_MERGED in cfg.graphs:
         write_merged(out, external)
-        names.append(DECODER_MERGED)
-    section: dict = {"opset": cfg.opset, "external_data": external, "graphs": names}
+    for name in (DECODER, DECODER_WITH_PAST):
+        if name not in cfg.graphs:  # merged alone: the two decoders were only its parts
+            remove_graph(out, name)
+    names = list(cfg.graphs)
+    section: dict = {"opset": cfg.opset, "external_data": external, "decoders": cfg.layout, "graphs": names}
     section["parity"] = verify(model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, "ONNX export", cfg.rtol)
     if cfg.optimize:
         for name in names:
@@ -109,8 +152,8 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        graphs = manifest(specs)
-        if cfg.merged:
+        graphs = {name: io for name, io in manifest(specs).items() if name in cfg.graphs}
+        if DECODER_MERGED in cfg.graphs:
             graphs[DECODER_MERGED] = _merged_io(specs)
         artifacts.write_json(tmp / MANIFEST_FILE, graphs)
         from t5compress.models import describe

@@ -161,20 +161,37 @@ def _empty_past(past_in: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {n: v[:, :, :0] for n, v in past_in.items() if n.startswith("past_key_values.")}
 
 
+def layouts(graphs: dict[str, Graph]) -> list[str]:
+    """The decoder layouts `graphs` can generate with: 'separate' (two decoders) and/or 'merged'."""
+    found = ["separate"] if DECODER in graphs and DECODER_WITH_PAST in graphs else []
+    return found + (["merged"] if DECODER_MERGED in graphs else [])
+
+
 def greedy(
     graphs: dict[str, Graph], ids: np.ndarray, mask: np.ndarray, start: int, eos: set[int], pad: int,
-    max_new_tokens: int,
+    max_new_tokens: int, decoders: str = "auto",
 ) -> np.ndarray:
-    """Greedy decoding with the package's runtime over `graphs`: (batch, 1 + steps) ids, as model.generate."""
-    from t5compress.runtime import Seq2SeqRuntime, SpecialTokens
-    from t5compress.runtime.sessions import Backend
+    """Greedy decoding with the package's runtime over `graphs`: (batch, 1 + steps) ids, as model.generate.
 
-    backend = Backend("verify", graphs[ENCODER], graphs[DECODER], graphs[DECODER_WITH_PAST])
+    `decoders`: 'separate', 'merged' (decoder_model_merged, both branches), or 'auto' (separate when present).
+    """
+    from t5compress.runtime import Seq2SeqRuntime, SpecialTokens
+    from t5compress.runtime.sessions import Backend, MergedStep
+
+    if decoders == "auto":
+        decoders = layouts(graphs)[0]
+    if decoders == "merged":
+        merged = graphs[DECODER_MERGED]
+        backend = Backend("verify", graphs[ENCODER], MergedStep(merged, False), MergedStep(merged, True))
+    else:
+        backend = Backend("verify", graphs[ENCODER], graphs[DECODER], graphs[DECODER_WITH_PAST])
     runtime = Seq2SeqRuntime(".", backend, SpecialTokens(start, tuple(sorted(eos)), pad), defaults={})
     return runtime.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)
 
 
-def generation_parity(model, graphs: dict[str, Graph], max_new_tokens: int, seed: int = 0) -> dict:
+def generation_parity(
+    model, graphs: dict[str, Graph], max_new_tokens: int, seed: int = 0, decoders: str = "auto"
+) -> dict:
     """Greedy tokens from the graphs vs `model.generate` on a padded batch: identical or not, and where."""
     from transformers import GenerationConfig
 
@@ -192,7 +209,7 @@ def generation_parity(model, graphs: dict[str, Graph], max_new_tokens: int, seed
     with torch.no_grad():
         want = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                               generation_config=gen).numpy()
-    got = greedy(graphs, ids, mask, start, set(eos), cfg.pad_token_id, max_new_tokens)
+    got = greedy(graphs, ids, mask, start, set(eos), cfg.pad_token_id, max_new_tokens, decoders)
     same = got.shape == want.shape and bool((got == want).all())
     rows = [] if same else [i for i in range(batch) if got.shape != want.shape or (got[i] != want[i]).any()]
     return {"max_new_tokens": max_new_tokens, "batch": batch, "identical": same, "differing_rows": rows,
@@ -215,13 +232,19 @@ def verify(
                 f" atol {atol:g} + rtol {rtol:g} x max|ref| {w['scale']:.3g}); nothing was written"
                 " (raise --atol/--rtol if this precision is acceptable)"
             )
-    gen = generation_parity(model, graphs, max_new_tokens)
-    if not gen["identical"]:
-        raise ExportError(
-            f"{what}: greedy tokens differ from model.generate in row(s) {gen['differing_rows']}; nothing was written"
-        )
+    gens = {layout: generation_parity(model, graphs, max_new_tokens, decoders=layout) for layout in layouts(graphs)}
+    for layout, gen in gens.items():
+        if not gen["identical"]:
+            raise ExportError(
+                f"{what}: greedy tokens over the {layout} decoder(s) differ from model.generate in row(s) "
+                f"{gen['differing_rows']}; nothing was written"
+            )
+    if not gens:
+        raise ExportError(f"{what}: no decoder graphs to generate with ({', '.join(graphs)})")
+    gen = next(iter(gens.values()))
     diffs = {k: p["max_abs_diff"] for k, p in parity.items()}
     log.info("%s: max abs diff %s, greedy identical", what, {k: f"{v:.2e}" for k, v in diffs.items()})
     return {"atol": atol, "rtol": rtol, "cases": [list(c) for c in CASES], "max_abs_diff": diffs,
             "max_rel_diff": {k: p["max_rel_diff"] for k, p in parity.items()},
-            "worst": {k: p["worst"] for k, p in parity.items()}, "generation": gen}
+            "worst": {k: p["worst"] for k, p in parity.items()}, "generation": gen,
+            "generation_by_decoders": {k: g["identical"] for k, g in gens.items()}}

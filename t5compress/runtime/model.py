@@ -185,15 +185,19 @@ def load_tokenizer(path: Path, pad_id: int):
     return tok
 
 
-def load_runtime(path: str | Path, threads: int = 1, providers: Sequence[str] | None = None) -> Seq2SeqRuntime:
+def load_runtime(
+    path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto"
+) -> Seq2SeqRuntime:
     """Open an ONNX or TorchScript export directory for generation.
 
     Args:
-        path: export directory (encoder_model, decoder_model, decoder_with_past_model + config files).
+        path: export directory (encoder_model, decoder_model, decoder_with_past_model + config files; or
+            encoder_model and decoder_model_merged alone).
         threads: intra-op threads per graph (0: the backend's default).
         providers: ONNX Runtime execution providers (default: CPU).
+        decoders: 'separate', 'merged' or 'auto' (the separate decoders when the dir has them, else the merged one).
     """
     p = Path(path)
-    backend = open_backend(p, threads, providers)
+    backend = open_backend(p, threads, providers, decoders)
     tokens, defaults = read_generation_defaults(p)
     return Seq2SeqRuntime(p, backend, tokens, defaults)
