@@ -143,5 +143,19 @@ def write_meta(out: Path, stage: str, config: Any, parent: str | os.PathLike | N
     return meta
 
 
+def trained_input_length(path: str | os.PathLike) -> int | None:
+    """The input length a model dir was trained with (`data.max_source_length` in its t5compress.json), if recorded.
+
+    Only a stage that trained on data records it (train, qat, recovery fine-tuning); `create` reads text for its
+    tokenizer only, so its data settings say nothing about the model.
+    """
+    meta = read_json(Path(path) / META_FILE) if Path(path).is_dir() else None
+    if not meta or meta.get("stage") == "create":
+        return None
+    data = (meta.get("config") or {}).get("data") or {}
+    value = data.get("max_source_length") if isinstance(data, dict) else None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def write_report(out: Path, report: dict) -> None:
     write_json(out / REPORT_FILE, report)

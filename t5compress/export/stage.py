@@ -152,6 +152,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        limits = _record_input_limit(src, tmp)
         graphs = {name: io for name, io in manifest(specs).items() if name in cfg.graphs}
         if DECODER_MERGED in cfg.graphs:
             graphs[DECODER_MERGED] = _merged_io(specs)
@@ -163,6 +164,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
             "format": cfg.format,
             **section,
             "model": describe(model),
+            "max_input_tokens": limits,
             "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
             "seconds": round(time.perf_counter() - started, 2),
         }
@@ -177,13 +179,31 @@ def _load(src: str | os.PathLike):
     import torch
 
     from t5compress.models import check_model_dir, is_local, load_model, load_tokenizer
+    from t5compress.runtime.text import BYTE_TOKENIZERS
 
     if is_local(src):
         check_model_dir(src)  # a non-T5 or weightless dir is named as such, not as a tokenizer problem
     tokenizer = load_tokenizer(src)  # cheap, and fails early for a dir without tokenizer files
-    if not getattr(tokenizer, "is_fast", False):
-        raise ModelError(f"the tokenizer of {str(src)!r} has no fast version: an export needs a tokenizer.json")
+    if not getattr(tokenizer, "is_fast", False) and type(tokenizer).__name__ not in BYTE_TOKENIZERS:
+        raise ModelError(
+            f"the tokenizer of {str(src)!r} ({type(tokenizer).__name__}) has no fast version: an export needs a "
+            f"tokenizer.json, or a byte-level tokenizer ({', '.join(BYTE_TOKENIZERS)}) that the runtime provides"
+        )
     return load_model(src, dtype=torch.float32), tokenizer
+
+
+def _record_input_limit(src: str | os.PathLike, out: Path) -> dict:
+    """Make the export's tokenizer_config.json `model_max_length` the length the model was trained with, if the
+    source dir records it (the runtime truncates to it); returns the limit and where it came from."""
+    from t5compress.runtime.text import TOKENIZER_CONFIG, input_limit
+
+    config = artifacts.read_json(out / TOKENIZER_CONFIG) or {}
+    trained = artifacts.trained_input_length(src)
+    if trained is not None and config:
+        config["model_max_length"] = trained
+        artifacts.write_json(out / TOKENIZER_CONFIG, config)
+        return {"value": trained, "from": "training (data.max_source_length)"}
+    return {"value": input_limit(out), "from": "tokenizer (model_max_length)"}
 
 
 def _merged_io(specs: dict[str, GraphSpec]) -> dict[str, list[str]]:

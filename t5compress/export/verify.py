@@ -185,7 +185,8 @@ def greedy(
         backend = Backend("verify", graphs[ENCODER], MergedStep(merged, False), MergedStep(merged, True))
     else:
         backend = Backend("verify", graphs[ENCODER], graphs[DECODER], graphs[DECODER_WITH_PAST])
-    runtime = Seq2SeqRuntime(".", backend, SpecialTokens(start, tuple(sorted(eos)), pad), defaults={})
+    runtime = Seq2SeqRuntime(".", backend, SpecialTokens(start, tuple(sorted(eos)), pad), defaults={},
+                             max_input_tokens=None)
     return runtime.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)
 
 
