@@ -131,8 +131,10 @@ def merge_decoders(no_past: onnx.ModelProto, with_past: onnx.ModelProto) -> onnx
     """Join the two decoder graphs under an If node on `use_cache_branch`, sharing identical initializers.
 
     Inputs: the first-step inputs, then every past_key_values tensor, then `use_cache_branch` (bool, shape (1,)).
-    Outputs: the first-step decoder's (logits and the full cache); the with-past branch passes the cross-attention
-    cache it was given straight through. The first step is run with zero-length past tensors.
+    Outputs: the first-step decoder's (logits and the full cache). The with-past branch returns the cross-attention
+    outputs empty (zero-length on the sequence axis): the cache does not change after the first step and the caller
+    keeps it, so copying it out every step would be waste (optimum's merged decoder returns empty constants there
+    too). The first step is run with zero-length past tensors.
     """
     from onnx import TensorProto, helper
 
@@ -186,10 +188,17 @@ def _branch(graph: onnx.GraphProto, prefix: str, outputs: list[str], shared: dic
     for name in outputs:
         if name in produced:
             vi = _renamed(produced[name], rename[name])
-        else:  # with-past branch: the cross-attention cache does not change after the first step
+        else:  # with-past branch: the cross-attention cache does not change after the first step; none is returned
             source = name.replace("present.", "past_key_values.", 1)
-            nodes.append(helper.make_node("Identity", [source], [prefix + name], name=f"{prefix}{name}/identity"))
+            if not any(n.name == f"{prefix}empty/axes" for n in nodes):
+                nodes += [helper.make_node("Constant", [], [f"{prefix}empty/{k}"], name=f"{prefix}empty/{k}",
+                                           value=helper.make_tensor(k, onnx.TensorProto.INT64, [1], [v]))
+                          for k, v in (("start", 0), ("axes", 2))]
+            empty = [source, f"{prefix}empty/start", f"{prefix}empty/start", f"{prefix}empty/axes"]
+            nodes.append(helper.make_node("Slice", empty, [prefix + name], name=f"{prefix}{name}/empty"))
             vi = _renamed(next(i for i in graph.input if i.name == source), prefix + name)
+            vi.type.tensor_type.shape.dim[2].Clear()
+            vi.type.tensor_type.shape.dim[2].dim_value = 0  # (batch, heads, 0, d_kv)
         branch_out.append(vi)
     local = {x for n in graph.node for x in n.output}
     infos = [_renamed(v, rename[v.name]) for v in graph.value_info if v.name in local]
