@@ -178,7 +178,7 @@ class Seq2SeqRuntime:
         enc = encode_batch(self.tokenizer, list(texts), limit, self.tokens.pad, self.tokens.eos)
         cut = [i for i, t in enumerate(enc.truncated) if t]
         if cut:
-            log.warning("%d input(s) truncated to %d tokens: rows %s", len(cut), enc.limit, cut[:10])
+            log.info("%d input(s) truncated to %d tokens: rows %s", len(cut), enc.limit, cut[:10])
         return enc
 
     def encode(self, texts: Sequence[str], max_input_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
