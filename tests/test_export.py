@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +93,10 @@ def test_onnx_export_matches_pytorch_and_uses_optimum_names(relu_onnx, tiny_mode
     assert all(manifest[g] == {"inputs": io[g][0], "outputs": io[g][1]} for g in GRAPHS)
     meta = json.loads((out / "t5compress.json").read_text())
     assert meta["stage"] == "export" and meta["config"]["merged"] is True
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}  # JSON files were mkstemp's 0600
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes
     assert meta["parent"]["sha256"] == artifacts.dir_hash(tiny_model_dir)
 
 

@@ -62,7 +62,6 @@ def test_merged_only_dir_holds_encoder_and_merged_decoder_and_is_smaller(dirs):
     assert detect_format(merged) == "onnx"
 
 
-@pytest.mark.slow
 def test_merged_decoder_generates_the_tokens_of_the_separate_ones_and_transformers(dirs):
     model, both, merged = dirs["relu-tied"]
     only = load_runtime(merged, threads=1)

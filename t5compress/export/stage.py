@@ -5,7 +5,9 @@
 An export dir uses Hugging Face optimum's seq2seq file and tensor names, so `ORTModelForSeq2SeqLM` loads it
 unchanged; `graphs.json` lists each graph's input and output names in positional order. Nothing is written unless
 every graph matches PyTorch within `atol + rtol * max|tensor|` and greedy decoding over the graphs reproduces
-`model.generate`.
+`model.generate`. `decoders` chooses optimum's two decoder graphs, the merged decoder alone (weights once), or both.
+The tokenizer's `model_max_length` becomes the input length the model was trained with, when the source records it:
+the runtime truncates longer inputs to it.
 """
 
 from __future__ import annotations
