@@ -77,6 +77,20 @@ def test_merged_decoder_generates_the_tokens_of_the_separate_ones_and_transforme
     assert_same(both_merged.generate(ids, mask, num_beams=4), only.generate(ids, mask, num_beams=4))
 
 
+def test_optimum_runs_the_merged_only_dir_too(dirs):
+    """optimum picks decoder_model_merged.onnx when it is the only decoder (its merged path needs d_kv * heads ==
+    d_model, true here)."""
+    import torch
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    model, _, merged = dirs["relu-tied"]
+    ids, mask = inputs(3, seed=6)
+    ort_model = ORTModelForSeq2SeqLM.from_pretrained(merged)
+    got = ort_model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                             num_beams=1, max_new_tokens=10).numpy()
+    assert_same(got, reference(model, ids, mask, num_beams=1, max_new_tokens=10))
+
+
 def test_merged_only_gated_untied_matches_transformers(dirs):
     """T5 v1.1 / Flan shape (gated-gelu, untied): the merged decoder alone against transformers."""
     model, _, merged = dirs["gated-untied"]
