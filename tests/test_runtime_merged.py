@@ -35,7 +35,8 @@ def dirs(tmp_path_factory) -> dict[str, tuple[Path, Path | None, Path]]:
         both, merged = (root / f"{name}-both" if name == "relu-tied" else None), root / f"{name}-merged"
         if both:
             run(model, ExportConfig(decoders="both", atol=1e-2), both)  # large init: see test_runtime.export_with
-        run(model, ExportConfig(decoders="merged", atol=1e-2), merged)
+        external = 0 if name == "gated-untied" else ExportConfig().external_data_threshold  # weights in .onnx_data
+        run(model, ExportConfig(decoders="merged", atol=1e-2, external_data_threshold=external), merged)
         out[name] = (model, both, merged)
     return out
 
@@ -92,8 +93,10 @@ def test_optimum_runs_the_merged_only_dir_too(dirs):
 
 
 def test_merged_only_gated_untied_matches_transformers(dirs):
-    """T5 v1.1 / Flan shape (gated-gelu, untied): the merged decoder alone against transformers."""
+    """T5 v1.1 / Flan shape (gated-gelu, untied), weights in external data: the merged decoder alone."""
     model, _, merged = dirs["gated-untied"]
+    graph_files = sorted(p.name for p in merged.iterdir() if ".onnx" in p.name)
+    assert graph_files == [f"{g}.onnx{x}" for g in (DECODER_MERGED, ENCODER) for x in ("", "_data")]
     report = json.loads((merged / "report.json").read_text())
     assert report["parity"]["generation_by_decoders"] == {"merged": True}
     only = load_runtime(merged, threads=1)
