@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the copy of t5compre
 
 import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by the python backend stub)
 
-from t5compress.errors import T5CompressError  # noqa: E402
 from t5compress.runtime import Seq2SeqRuntime  # noqa: E402
 from t5compress.runtime.sessions import Backend  # noqa: E402
 from t5compress.runtime.settings import read_generation_defaults  # noqa: E402
@@ -86,14 +85,14 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 texts, settings = self._parse(request)
-            except (ValueError, TypeError, T5CompressError) as e:
+            except Exception as e:  # noqa: BLE001 -- one bad request gets its error; the others in the batch go on
                 responses[i] = _error(e)
                 continue
             groups.setdefault(tuple(sorted(settings.items())), []).append((i, texts))
         for key, members in groups.items():
             try:
                 outputs = self._generate([t for _, texts in members for t in texts], dict(key))
-            except (ValueError, TypeError, T5CompressError, RuntimeError) as e:
+            except Exception as e:  # noqa: BLE001 -- a failed group fails its own requests only
                 for i, _ in members:
                     responses[i] = _error(e)
                 continue
@@ -104,7 +103,10 @@ class TritonPythonModel:
         return responses
 
     def _parse(self, request) -> tuple[list[str], dict]:
-        raw = pb_utils.get_input_tensor_by_name(request, TEXT).as_numpy()  # (batch, 1) bytes
+        tensor = pb_utils.get_input_tensor_by_name(request, TEXT)
+        if tensor is None:  # Triton passes a request without its one required input to the model
+            raise ValueError(f"input {TEXT} is missing: send the text to generate from as {TEXT} (BYTES, [batch, 1])")
+        raw = tensor.as_numpy()  # (batch, 1) bytes
         texts = [_text(v) for v in raw.reshape(-1)]
         if any(not t.strip() for t in texts):
             raise ValueError(f"{TEXT} is empty: send the text to generate from")
