@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # backend stub answers with empty tensors under numpy 2, so it cannot share the project's venv (numpy 2).
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
-TRITON_REQS := "numpy>=1.26,<2" "onnxruntime>=1.32,<1.33" "tokenizers>=0.22,<0.23" "nvidia-pytriton==0.7.0"
+TRITON_REQS := triton_models/requirements.txt
 
 .PHONY: demo test test-fast lint clean triton-env
 
@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[peers,dev,triton]'
 	touch $(STAMP)
 
-$(TRITON_STAMP): Makefile
+$(TRITON_STAMP): $(TRITON_REQS)
 	test -x $(TRITON_VENV)/bin/python || $(PY) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/pip install -q --upgrade pip
-	$(TRITON_VENV)/bin/pip install -q $(TRITON_REQS)
+	$(TRITON_VENV)/bin/pip install -q -r $(TRITON_REQS) "nvidia-pytriton==0.7.0"
 	touch $(TRITON_STAMP)
 
 triton-env: $(TRITON_STAMP)  ## Triton server environment (~25 s, ~0.5 GB): what `t5compress serve` runs

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -64,7 +66,8 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     tritonserver: Annotated[Path | None, typer.Option(help="tritonserver executable (default: PATH, then "
                                                            "the nvidia-pytriton environment).")] = None,
-    log_file: Annotated[Path | None, typer.Option(help="Write the server's log here.")] = None,
+    log_file: Annotated[Path | None, typer.Option(help="Write the server's log here (default: a temporary file, "
+                                                       "named when the server is ready).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the models to load.")] = 180.0,
 ) -> None:
     """Start a Triton Inference Server on REPO, print its endpoints, and stop it on Ctrl-C."""
@@ -73,6 +76,8 @@ def serve(
     server = find_server(tritonserver)
     if not repo.is_dir():
         fail(f"'{repo}' is not a directory; write a repository with `t5compress triton EXPORT_DIR {repo}`")
+    if log_file is None:
+        log_file = Path(tempfile.gettempdir()) / f"t5compress-tritonserver-{os.getpid()}.log"
     console.print(f"starting tritonserver ({server.origin}) on {repo} ...", highlight=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
     running = start(server, repo, Ports(http_port, grpc_port, metrics_port), host=host, log_path=log_file, wait=None)
@@ -80,7 +85,7 @@ def serve(
         running.wait_ready(timeout)
         console.print(f"ready (pid {running.pid}): HTTP {running.http_url}  gRPC {running.grpc_url}  "
                       f"metrics {running.metrics_url}", highlight=False)
-        console.print("Ctrl-C to stop", highlight=False)
+        console.print(f"server log: {log_file}; Ctrl-C to stop", highlight=False)
         code = running.process.wait()
         err_console.print(f"[red]error:[/red] tritonserver exited with code {code}", highlight=False)
         raise typer.Exit(code=1)
