@@ -104,16 +104,27 @@ def pytriton_server(env: Path) -> ServerCommand | None:
     backends = env / "t5compress-backends"
     _install_python_backend(bundle / "backends" / "python", stub, backends / "python")
     bin_dir = str(env / "bin")
-    libs = str(site / "nvidia_pytriton.libs")
+    libs = [str(site / "nvidia_pytriton.libs"), *_libpython_dir(env, py_version)]
     env_vars = {
         "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
-        "LD_LIBRARY_PATH": os.pathsep.join(p for p in [libs, os.environ.get("LD_LIBRARY_PATH", "")] if p),
+        "LD_LIBRARY_PATH": os.pathsep.join(p for p in [*libs, os.environ.get("LD_LIBRARY_PATH", "")] if p),
         "VIRTUAL_ENV": str(env),
     }
     for leak in ("PYTHONPATH", "PYTHONHOME"):  # the stub's python3 must see the server environment only
         env_vars[leak] = ""
     return ServerCommand(bundle / "bin" / "tritonserver", ("--backend-directory", str(backends)), env_vars,
                          origin=f"nvidia-pytriton in {env}")
+
+
+def _libpython_dir(env: Path, py_version: str) -> list[str]:
+    """The base interpreter's lib dir when it holds libpython (pyenv and other prefixes off the loader's path)."""
+    try:
+        lines = (env / "pyvenv.cfg").read_text().splitlines()
+    except OSError:
+        return []
+    cfg = {k.strip(): v.strip() for k, v in (ln.split("=", 1) for ln in lines if "=" in ln)}
+    lib = Path(cfg.get("home", "")).parent / "lib"
+    return [str(lib)] if (lib / f"libpython{py_version}.so.1.0").is_file() else []
 
 
 def _install_python_backend(src: Path, stub: Path, dest: Path) -> None:
@@ -174,7 +185,8 @@ class TritonServer:
         if self.log_path is None or not self.log_path.is_file():
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
-        errors = [ln for ln in lines if ln.startswith("E") and "Cuda" not in ln]  # no GPU is not the problem
+        errors = [ln for ln in lines if (ln.startswith("E") or "error" in ln.lower())
+                  and "Cuda" not in ln and "NVML" not in ln]  # no GPU is not the problem
         return f": {errors[-1]} (log: {self.log_path})" if errors else f" (log: {self.log_path})"
 
     def stop(self, timeout: float = 30.0) -> int:
