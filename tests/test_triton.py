@@ -301,6 +301,17 @@ def test_bench_triton_cli_measures_both_protocols(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_serving_the_onnxruntime_repository_without_that_backend_is_one_line(export_dir, tmp_path):
+    run(export_dir, TritonConfig(), tmp_path / "repo")
+    ports = Ports.free()
+    result = runner.invoke(app, ["serve", str(tmp_path / "repo"), "--http-port", str(ports.http), "--grpc-port",
+                                 str(ports.grpc), "--metrics-port", str(ports.metrics), "--timeout", "60"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    error = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(error) == 1 and "exited with code" in error[0] and "onnxruntime" in error[0], result.output
+
+
+@pytest.mark.slow
 def test_serve_cli_prints_endpoints_answers_and_stops_on_ctrl_c(export_dir, local, tmp_path):
     import signal
 

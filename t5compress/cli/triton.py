@@ -55,6 +55,9 @@ def triton(
     console.print(t)
     console.print(f"configs checked against Triton's schema; {report['bytes'] / 1e6:.1f} MB → [bold]{out}[/bold]")
     console.print(f"serve it: t5compress serve {out}", highlight=False)
+    if not cfg.portable:
+        console.print("(the leaf models need Triton's ONNX Runtime backend, as in NVIDIA's container; "
+                      "--portable repositories run on any Triton with the python backend)", highlight=False)
 
 
 @command
@@ -80,6 +83,7 @@ def serve(
         log_file = Path(tempfile.gettempdir()) / f"t5compress-tritonserver-{os.getpid()}.log"
     console.print(f"starting tritonserver ({server.origin}) on {repo} ...", highlight=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
     running = start(server, repo, Ports(http_port, grpc_port, metrics_port), host=host, log_path=log_file, wait=None)
     try:
         running.wait_ready(timeout)

@@ -182,12 +182,16 @@ class TritonServer:
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s{self._log_hint()}")
 
     def _log_hint(self) -> str:
+        """The log line that says why: a model that failed to load, else the last error that is not about the GPU."""
         if self.log_path is None or not self.log_path.is_file():
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
         errors = [ln for ln in lines if (ln.startswith("E") or "error" in ln.lower())
                   and "Cuda" not in ln and "NVML" not in ln]  # no GPU is not the problem
-        return f": {errors[-1]} (log: {self.log_path})" if errors else f" (log: {self.log_path})"
+        models = [ln for ln in errors if "failed to load '" in ln]
+        why = (models or errors[-1:] or [""])[0]
+        why = why.split('] "', 1)[-1].rstrip('"')  # drop Triton's "E1203 12:00:00 pid file.cc:1]" prefix
+        return f": {why} (log: {self.log_path})" if why else f" (log: {self.log_path})"
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (Triton unloads the models and exits), SIGKILL if it has not exited after `timeout`."""
