@@ -41,6 +41,11 @@ SETTINGS = {
 }
 
 
+# Leaf models on a GPU (--kind gpu) answer with GPU tensors unless asked otherwise; the search runs in numpy.
+_ON_CPU = ({"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)}
+           if hasattr(pb_utils, "PreferredMemory") else {})
+
+
 def _text(v) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
 
@@ -56,7 +61,7 @@ class BlsGraph:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         inputs = [pb_utils.Tensor(n, np.ascontiguousarray(feeds[n])) for n in self.input_names]
         response = pb_utils.InferenceRequest(
-            model_name=self.name, requested_output_names=list(self.output_names), inputs=inputs
+            model_name=self.name, requested_output_names=list(self.output_names), inputs=inputs, **_ON_CPU
         ).exec()
         if response.has_error():
             raise RuntimeError(f"leaf model {self.name}: {response.error().message()}")
