@@ -140,6 +140,8 @@ def test_stage_refuses_non_exports_and_existing_output(export_dir, tmp_path):
     with pytest.raises(OutputError, match="--force"):
         run(export_dir, TritonConfig(), tmp_path / "taken")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing half-written beside it
+    run(export_dir, TritonConfig(), tmp_path / "taken", force=True)
+    assert (tmp_path / "taken" / "t5_decoder" / "config.pbtxt").is_file()
 
 
 def test_cli_triton_happy_path_and_bad_input(export_dir, tmp_path):
@@ -159,6 +161,8 @@ def test_serve_without_a_server_says_how_to_get_one(tmp_path, monkeypatch):
     assert result.exit_code != 0
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "make triton-env" in lines[0], result.output
+    bad = runner.invoke(app, ["serve", str(tmp_path), "--tritonserver", str(tmp_path / "nope")])
+    assert bad.exit_code != 0 and "is not an executable file" in bad.output and "Traceback" not in bad.output
 
 
 def test_bench_triton_without_a_server_is_one_line(tmp_path):
@@ -183,11 +187,13 @@ def server(export_dir, tmp_path_factory):
         os.kill(pid, 0)
 
 
-def _clients(server):
+def _client(server, protocol: str):
     import tritonclient.grpc as grpc
     import tritonclient.http as http
 
-    return {"http": http.InferenceServerClient(server.http_url), "grpc": grpc.InferenceServerClient(server.grpc_url)}
+    if protocol == "http":
+        return http.InferenceServerClient(server.http_url)
+    return grpc.InferenceServerClient(server.grpc_url)
 
 
 @pytest.mark.slow
@@ -196,7 +202,8 @@ def test_served_text_over_http_and_grpc_is_the_local_runtime(server, local):
 
     texts = TEXTS[:4]
     cases = [dict(), dict(max_new_tokens=12), dict(num_beams=3, num_return_sequences=2, max_new_tokens=10)]
-    for protocol, client in _clients(server).items():
+    for protocol in ("http", "grpc"):
+        client = _client(server, protocol)
         for settings in cases:
             got = infer(client, protocol, "t5", texts, **settings)
             n = settings.get("num_return_sequences", 1)
@@ -221,7 +228,7 @@ def test_eight_concurrent_clients_get_right_answers_and_the_server_batches(serve
 
     def client_loop(k: int) -> None:
         protocol = "http" if k % 2 else "grpc"
-        client = _clients(server)[protocol]
+        client = _client(server, protocol)
         try:
             for j in range(per_client):
                 text = TEXTS[(k + j) % len(TEXTS)]
