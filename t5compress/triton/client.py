@@ -147,12 +147,11 @@ def measure(url: str, model: str, protocol: str, concurrency: int, requests: int
             "throughput_rps": round(len(latencies) / wall, 2), "seconds": round(wall, 2)}
 
 
-def batch_statistics(url: str, model: str, protocol: str = "http") -> dict[str, int]:
-    """The server's counters for `model`: inferences (requests) and executions (batches run)."""
-    client = connect(url, protocol)
+def batch_statistics(url: str, model: str) -> dict[str, int]:
+    """The server's counters for `model` (over HTTP): inferences (requests) and executions (batches run)."""
+    client = connect(url, "http")
     try:
-        stats = client.get_inference_statistics(model, as_json=True) if protocol == "grpc" else \
-            client.get_inference_statistics(model)
+        stats = client.get_inference_statistics(model)
     finally:
         client.close()
     entry = stats["model_stats"][0]

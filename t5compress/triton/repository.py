@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from t5compress.errors import ConfigError, ModelError
 from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER, ONNX_SUFFIX
 from t5compress.triton import config as pbtxt
 
@@ -57,8 +58,6 @@ def server_sources() -> Path:
     """The `triton_models/` folder (server-side python models), wherever t5compress is installed from."""
     spec = importlib.util.find_spec("triton_models")
     if spec is None or spec.origin is None:
-        from t5compress.errors import ModelError
-
         raise ModelError("the triton_models package (server-side models) is not installed beside t5compress")
     return Path(spec.origin).parent
 
@@ -124,8 +123,6 @@ def write(plan: ModelPlan, repo: Path) -> None:
     text = pbtxt.render(plan.config)
     (model_dir / "config.pbtxt").write_text(text)
     if pbtxt.parse_config(model_dir / "config.pbtxt") != plan.config:
-        from t5compress.errors import ConfigError
-
         raise ConfigError(f"config of {plan.name!r} does not read back as written")
     for dest, src in plan.files.items():
         (version / dest).parent.mkdir(parents=True, exist_ok=True)
