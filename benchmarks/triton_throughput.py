@@ -43,6 +43,32 @@ def local_latency(rt, inputs: list[str], repeat: int, offset: int) -> list[float
     return times
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of process `root` and all its descendants (the server and its python stubs)."""
+    parents, cpu = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        pid = int(stat.parent.name)
+        parents[pid], cpu[pid] = int(fields[1]), int(fields[11]) + int(fields[12])  # ppid, utime + stime (ticks)
+    tree, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return sum(cpu.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(server_pid: int, phase) -> tuple[dict, float]:
+    """Run `phase()` (a measure call); CPU ms per answered request, server tree plus this client process."""
+    s0, c0 = tree_cpu_seconds(server_pid), time.process_time()
+    result = phase()
+    cpu = (tree_cpu_seconds(server_pid) - s0) + (time.process_time() - c0)
+    return result, cpu * 1000 / max(result["ok"], 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and requests")
@@ -73,17 +99,26 @@ def main() -> None:
     gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     rt = load_runtime(export_dir, threads=1)
     local_latency(rt, inputs, 1, 0)  # warm-up
+    c0 = time.process_time()
+    local_latency(rt, inputs, 4, 0)
+    local_cpu_ms = (time.process_time() - c0) * 1000 / 4  # CPU time, unlike wall time, barely moves with the load
 
     # Rounds of local / one client / 8 clients, back to back: on a shared machine the load drifts between phases,
     # so each round gives its own ratio and the median of the ratios is reported.
-    local_ms, ones, manys, grpcs, batches = [], [], [], [], []
+    local_ms, ones, manys, grpcs, batches, cpu_one, cpu_many = [], [], [], [], [], [], []
     with start(find_server(), repo, Ports.free(), log_path=work / "server.log") as server:
         measure(server.http_url, "t5", "http", CONCURRENCY, CONCURRENCY, inputs, warmup=2, **gen)  # warm-up
         for r in range(rounds):
             local_ms += local_latency(rt, inputs, sequential // 2, r)
-            ones.append(measure(server.http_url, "t5", "http", 1, sequential, inputs, warmup=0, **gen))
+            one, cpu = cpu_per_request(server.pid, lambda: measure(server.http_url, "t5", "http", 1, sequential,
+                                                                   inputs, warmup=0, **gen))
+            ones.append(one)
+            cpu_one.append(cpu)
             before = batch_statistics(server.http_url, "t5")
-            manys.append(measure(server.http_url, "t5", "http", CONCURRENCY, concurrent, inputs, warmup=0, **gen))
+            many, cpu = cpu_per_request(server.pid, lambda: measure(server.http_url, "t5", "http", CONCURRENCY,
+                                                                    concurrent, inputs, warmup=0, **gen))
+            manys.append(many)
+            cpu_many.append(cpu)
             after = batch_statistics(server.http_url, "t5")
             batches.append((after["inference_count"] - before["inference_count"])
                            / max(after["execution_count"] - before["execution_count"], 1))
@@ -100,6 +135,8 @@ def main() -> None:
         "speedup_per_round": [round(x, 2) for x in ratios],
         "speedup": round(med(ratios), 2),
         "server_overhead_ms": round(med([o["p50_ms"] for o in ones]) - med(local_ms), 1),
+        "cpu_ms_per_request": {"local_runtime": round(local_cpu_ms, 1), "served_1_client": round(med(cpu_one), 1),
+                               f"served_{CONCURRENCY}_clients": round(med(cpu_many), 1)},
     }
     out = ROOT / "results"
     out.mkdir(exist_ok=True)
@@ -109,7 +146,7 @@ def main() -> None:
 
 
 def markdown(r: dict) -> str:
-    med = statistics.median
+    med, c = statistics.median, r["cpu_ms_per_request"]
     rows = [("local runtime, batch 1", 1, r["local_runtime"]["p50_ms"], "-", r["local_runtime"]["throughput_rps"])]
     for label, ms in (("served, HTTP", r["sequential"]), ("served, HTTP", r["concurrent_http"]),
                       ("served, gRPC", r["concurrent_grpc"])):
@@ -124,7 +161,11 @@ def markdown(r: dict) -> str:
               f"{', '.join(map(str, r['speedup_per_round']))}; goal >= 3x); mean batch {r['mean_batch']} requests per "
               "execution of the text model",
               f"- server overhead per request (p50 served with 1 client minus p50 of the local runtime, batch 1): "
-              f"{r['server_overhead_ms']} ms", ""]
+              f"{r['server_overhead_ms']} ms (wall time: grows with the machine's load, 4 processes take turns "
+              "every step)",
+              f"- CPU ms per request (server processes + client, which the load barely changes): local runtime "
+              f"{c['local_runtime']}, served 1 client {c['served_1_client']}, served {CONCURRENCY} clients "
+              f"{c[f'served_{CONCURRENCY}_clients']}", ""]
     return "\n".join(lines)
 
 
