@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import build_tiny_t5
 from typer.testing import CliRunner
 
 from t5compress.cli import app
@@ -36,13 +35,12 @@ TEXTS = ["translate: hello world", "summarize: a b c d e f", "xyz", "the cat sat
 
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory) -> Path:
-    from t5compress.export import ExportConfig
-    from t5compress.export import run as export
+    """A tiny T5 whose outputs end with EOS at different steps (test_runtime's model), so that rows batched with
+    longer ones, finished beams and per-request cropping are exercised; exported by the export stage."""
+    from test_runtime import build_model, export_with
 
     root = tmp_path_factory.mktemp("triton")
-    model = build_tiny_t5(root / "model")
-    export(model, ExportConfig(format="onnx"), root / "export")
-    return root / "export"
+    return export_with("onnx", build_model(root / "model"), root / "export")
 
 
 @pytest.fixture(scope="module")
@@ -204,25 +202,28 @@ def test_served_text_over_http_and_grpc_is_the_local_runtime(server, local):
     cases = [dict(), dict(max_new_tokens=12), dict(num_beams=3, num_return_sequences=2, max_new_tokens=10)]
     for protocol in ("http", "grpc"):
         client = _client(server, protocol)
-        for settings in cases:
-            got = infer(client, protocol, "t5", texts, **settings)
-            n = settings.get("num_return_sequences", 1)
-            want = local.generate_text(texts, **settings)
-            assert got == [want[k * n:(k + 1) * n] for k in range(len(texts))], (protocol, settings)
-        result = client.infer("t5", inputs(protocol, texts, num_beams=2))
-        ids, mask = local.encode(texts)
-        want_ids = local.generate(ids, mask, num_beams=2)  # (batch, len)
-        got_ids = result.as_numpy("OUTPUT_IDS")  # (batch, 1, longest), padded with the pad id
-        assert got_ids.shape == (len(texts), 1, want_ids.shape[1])
-        np.testing.assert_array_equal(got_ids[:, 0, :], want_ids)
-        client.close()
+        try:
+            for settings in cases:
+                got = infer(client, protocol, "t5", texts, **settings)
+                n = settings.get("num_return_sequences", 1)
+                want = local.generate_text(texts, **settings)
+                assert got == [want[k * n:(k + 1) * n] for k in range(len(texts))], (protocol, settings)
+            for beams in (1, 2):
+                result = client.infer("t5", inputs(protocol, texts, num_beams=beams))
+                want_ids = local.generate(*local.encode(texts), num_beams=beams)  # (batch, len)
+                got_ids = result.as_numpy("OUTPUT_IDS")  # (batch, 1, len)
+                np.testing.assert_array_equal(got_ids[:, 0, :], want_ids)
+        finally:
+            client.close()
 
 
 @pytest.mark.slow
 def test_eight_concurrent_clients_get_right_answers_and_the_server_batches(server, local):
-    from t5compress.triton.client import batch_statistics, infer
+    """Single-text requests batched by the server come back as if each were generated alone (text and token ids)."""
+    from t5compress.triton.client import batch_statistics, inputs
 
-    want = {t: local.generate_text([t], max_new_tokens=8) for t in TEXTS}
+    want = {t: (local.generate_text([t], max_new_tokens=8), local.generate(*local.encode([t]), max_new_tokens=8))
+            for t in TEXTS}
     before = batch_statistics(server.http_url, "t5")
     per_client, wrong, failures = 32, [], []
 
@@ -232,9 +233,11 @@ def test_eight_concurrent_clients_get_right_answers_and_the_server_batches(serve
         try:
             for j in range(per_client):
                 text = TEXTS[(k + j) % len(TEXTS)]
-                got = infer(client, protocol, "t5", [text], max_new_tokens=8)
-                if got != [want[text]]:
-                    wrong.append((text, got))
+                result = client.infer("t5", inputs(protocol, [text], max_new_tokens=8))
+                got_text = [t.decode() for t in result.as_numpy("OUTPUT_TEXT")[0]]
+                got_ids = result.as_numpy("OUTPUT_IDS")[0]  # (1, len): cropped to this request's own length
+                if got_text != want[text][0] or not np.array_equal(got_ids, want[text][1]):
+                    wrong.append((text, got_text, got_ids.tolist()))
         except Exception as e:  # collected: an assert in a thread would not fail the test
             failures.append(repr(e))
         finally:

@@ -103,7 +103,8 @@ class TritonPythonModel:
                 continue
             start = 0
             for i, texts in members:
-                responses[i] = _response(*(o[start:start + len(texts)] for o in outputs), pad=self.runtime.tokens.pad)
+                strings, ids = (o[start:start + len(texts)] for o in outputs)
+                responses[i] = _response(strings, self._crop(np.stack(ids)))
                 start += len(texts)
         return responses
 
@@ -141,14 +142,23 @@ class TritonPythonModel:
         return ([decoded[k * n:(k + 1) * n] for k in range(len(texts))],
                 [out[k * n:(k + 1) * n] for k in range(len(texts))])
 
+    def _crop(self, ids: np.ndarray) -> np.ndarray:
+        """(texts, n, len) ids of one request, cut to its own longest row: what generating it alone returns.
 
-def _response(texts: list[list[str]], ids: list[np.ndarray], pad: int):
-    width = max(a.shape[1] for a in ids)
-    out = np.full((len(ids), ids[0].shape[0], width), pad, dtype=np.int64)  # (batch, n, longest)
-    for k, a in enumerate(ids):
-        out[k, :, : a.shape[1]] = a
+        A row is as long as the start token plus its tokens up to the first EOS, or the whole width if it has none;
+        rows generated together with longer ones (other requests of the batch) are only padded after that, with the
+        runtime's fill value, which the cut keeps.
+        """
+        eos = np.isin(ids[..., 1:], list(self.runtime.tokens.eos))  # (texts, n, len - 1)
+        lengths = np.where(eos.any(axis=-1), eos.argmax(axis=-1) + 2, ids.shape[-1])
+        return ids[..., : int(lengths.max())]
+
+
+def _response(texts: list[list[str]], ids: np.ndarray):
+    """texts: per text its n strings; ids: (batch, n, longest) int64."""
     text = np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=np.object_)  # (batch, n)
-    return pb_utils.InferenceResponse([pb_utils.Tensor(OUTPUT_TEXT, text), pb_utils.Tensor(OUTPUT_IDS, out)])
+    ids = np.ascontiguousarray(ids)
+    return pb_utils.InferenceResponse([pb_utils.Tensor(OUTPUT_TEXT, text), pb_utils.Tensor(OUTPUT_IDS, ids)])
 
 
 def _error(e: Exception):
