@@ -3,26 +3,39 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The Triton server's own environment: nvidia-pytriton (tritonserver + python backend) pins numpy<2, and its python
+# backend stub answers with empty tensors under numpy 2, so it cannot share the project's venv (numpy 2).
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
+TRITON_REQS := triton_models/requirements.txt
 
-.PHONY: demo test test-fast lint clean
+.PHONY: demo test test-fast lint clean triton-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[peers,dev]'
+	$(BIN)/pip install -q -e '.[peers,dev,triton]'
 	touch $(STAMP)
+
+$(TRITON_STAMP): $(TRITON_REQS)
+	test -x $(TRITON_VENV)/bin/python || $(PY) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install -q --upgrade pip
+	$(TRITON_VENV)/bin/pip install -q -r $(TRITON_REQS) "nvidia-pytriton==0.7.0"
+	touch $(TRITON_STAMP)
+
+triton-env: $(TRITON_STAMP)  ## Triton server environment (~25 s, ~0.5 GB): what `t5compress serve` runs
 
 demo: $(STAMP)  ## build, fine-tune, evaluate and export a small T5 on generated data
 	$(BIN)/t5compress demo --out runs/demo --force
 
-test: $(STAMP)  ## the whole suite, slow tests included (what CI runs)
+test: $(STAMP) $(TRITON_STAMP)  ## the whole suite, slow and server tests included (what CI runs)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check t5compress tests benchmarks
+	$(BIN)/ruff check t5compress triton_models tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(TRITON_VENV) runs
