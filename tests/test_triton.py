@@ -85,7 +85,7 @@ def test_onnxruntime_repository_configs_parse_and_name_the_right_files_and_tenso
     assert bls.backend == "python" and bls.max_batch_size == 8
     assert [i.name for i in bls.input][:2] == ["TEXT", "max_new_tokens"]
     assert [i.optional for i in bls.input].count(True) == len(bls.input) - 1
-    assert [o.name for o in bls.output] == ["OUTPUT_TEXT", "OUTPUT_IDS"]
+    assert [o.name for o in bls.output] == ["OUTPUT_TEXT", "OUTPUT_IDS", "INPUT_TOKENS", "TRUNCATED"]
     assert json.loads(bls.parameters["leaf_models"].string_value)["decoder_with_past_model"] == "t5_decoder_with_past"
     version = repo / "t5" / "1"
     assert (version / "model.py").read_text() == (ROOT / "triton_models" / "t5_bls.py").read_text()
@@ -176,7 +176,8 @@ def test_bench_triton_without_a_server_is_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def server(export_dir, tmp_path_factory):
     repo = tmp_path_factory.mktemp("served") / "repo"
-    run(export_dir, TritonConfig(name="t5", portable=True, max_batch_size=8, max_beams=4), repo)
+    # Input limit 40 tokens: above every text of TEXTS (bytes + EOS), so only the over-long request is cut.
+    run(export_dir, TritonConfig(name="t5", portable=True, max_batch_size=8, max_beams=4, max_input_tokens=40), repo)
     running = start(find_server(), repo, Ports.free(), log_path=repo.parent / "server.log")
     yield running
     pid = running.pid
@@ -293,6 +294,13 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, local):
         assert needle in str(err.value), (case, str(err.value))
         assert infer(client, "http", "t5", ["q"]) == [want], case  # still serving, still right
     assert server.process.poll() is None and server.ready()
+    # Over-long text: cut to the repository's 40-token limit (first 39 tokens + </s>), and the response says so.
+    long = "the cat sat on the mat and looked at the long road ahead " * 3
+    result = client.infer("t5", inputs("http", [long, "q"]))
+    assert result.as_numpy("TRUNCATED").reshape(-1).tolist() == [True, False]
+    assert result.as_numpy("INPUT_TOKENS").reshape(-1).tolist() == [len(long.encode()) + 1, 2]
+    want_long = local.decode(local.generate(*local.encode([long], max_input_tokens=40)))
+    assert [t.decode() for t in result.as_numpy("OUTPUT_TEXT")[0]] == want_long
     client.close()
 
 

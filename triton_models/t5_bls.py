@@ -28,6 +28,8 @@ from t5compress.runtime.settings import read_generation_defaults  # noqa: E402
 TEXT = "TEXT"
 OUTPUT_TEXT = "OUTPUT_TEXT"
 OUTPUT_IDS = "OUTPUT_IDS"
+INPUT_TOKENS = "INPUT_TOKENS"  # per text: its tokens before truncation (EOS included)
+TRUNCATED = "TRUNCATED"  # per text: whether it was cut to the model's input limit
 # Optional request inputs: the GenerationSettings field each one sets, and how to read its value.
 SETTINGS = {
     "max_new_tokens": int,
@@ -83,6 +85,8 @@ class TritonPythonModel:
         self.runtime.tokenizer  # noqa: B018 -- load it now: a broken tokenizer fails the model load, not a request
         self.max_beams = int(params.get("max_beams", "4"))
         self.max_new_tokens = int(params.get("max_new_tokens", "512"))
+        limit = int(params.get("max_input_tokens", "-1"))  # -1: the export's own limit (tokenizer_config.json)
+        self.max_input_tokens = None if limit < 0 else limit
 
     def execute(self, requests) -> list:
         responses: list = [None] * len(requests)
@@ -103,8 +107,8 @@ class TritonPythonModel:
                 continue
             start = 0
             for i, texts in members:
-                strings, ids = (o[start:start + len(texts)] for o in outputs)
-                responses[i] = _response(strings, self._crop(np.stack(ids)))
+                strings, ids, lengths, cut = (o[start:start + len(texts)] for o in outputs)
+                responses[i] = _response(strings, self._crop(np.stack(ids)), lengths, cut)
                 start += len(texts)
         return responses
 
@@ -133,14 +137,14 @@ class TritonPythonModel:
                              f"got {settings['max_new_tokens']}")
         return texts, settings
 
-    def _generate(self, texts: list[str], settings: dict) -> tuple[list, list]:
-        """Per text: its num_return_sequences strings and token-id rows."""
-        ids, mask = self.runtime.encode(texts)
-        out = self.runtime.generate(ids, mask, **settings)  # (len(texts) * n, out_len)
+    def _generate(self, texts: list[str], settings: dict) -> tuple[list, list, list, list]:
+        """Per text: its num_return_sequences strings and token-id rows, its token count and whether it was cut."""
+        enc = self.runtime.tokenize(texts, self.max_input_tokens)
+        out = self.runtime.generate(enc.input_ids, enc.attention_mask, **settings)  # (len(texts) * n, out_len)
         n = settings["num_return_sequences"]
         decoded = self.runtime.decode(out)
         return ([decoded[k * n:(k + 1) * n] for k in range(len(texts))],
-                [out[k * n:(k + 1) * n] for k in range(len(texts))])
+                [out[k * n:(k + 1) * n] for k in range(len(texts))], list(enc.lengths), list(enc.truncated))
 
     def _crop(self, ids: np.ndarray) -> np.ndarray:
         """(texts, n, len) ids of one request, cut to its own longest row: what generating it alone returns.
@@ -154,11 +158,15 @@ class TritonPythonModel:
         return ids[..., : int(lengths.max())]
 
 
-def _response(texts: list[list[str]], ids: np.ndarray):
-    """texts: per text its n strings; ids: (batch, n, longest) int64."""
+def _response(texts: list[list[str]], ids: np.ndarray, lengths: list[int], cut: list[bool]):
+    """texts: per text its n strings; ids: (batch, n, longest) int64; lengths, cut: per text."""
     text = np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=np.object_)  # (batch, n)
     ids = np.ascontiguousarray(ids)
-    return pb_utils.InferenceResponse([pb_utils.Tensor(OUTPUT_TEXT, text), pb_utils.Tensor(OUTPUT_IDS, ids)])
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor(OUTPUT_TEXT, text), pb_utils.Tensor(OUTPUT_IDS, ids),
+        pb_utils.Tensor(INPUT_TOKENS, np.array(lengths, dtype=np.int64).reshape(-1, 1)),
+        pb_utils.Tensor(TRUNCATED, np.array(cut, dtype=np.bool_).reshape(-1, 1)),
+    ])
 
 
 def _error(e: Exception):

@@ -34,6 +34,7 @@ def triton(
     max_batch_size: Annotated[int, typer.Option(help=_h(C, "max_batch_size"))] = _d(C, "max_batch_size"),
     max_beams: Annotated[int, typer.Option(help=_h(C, "max_beams"))] = _d(C, "max_beams"),
     max_new_tokens: Annotated[int, typer.Option(help=_h(C, "max_new_tokens"))] = _d(C, "max_new_tokens"),
+    max_input_tokens: Annotated[int, typer.Option(help=_h(C, "max_input_tokens"))] = _d(C, "max_input_tokens"),
     queue_delay_us: Annotated[int, typer.Option(help=_h(C, "queue_delay_us"))] = _d(C, "queue_delay_us"),
     force: Force = False,
 ) -> None:
@@ -44,7 +45,7 @@ def triton(
 
     cfg = C(name=name, kind=kind, instances=instances, bls_instances=bls_instances, threads=threads,
             portable=portable, max_batch_size=max_batch_size, max_beams=max_beams, max_new_tokens=max_new_tokens,
-            queue_delay_us=queue_delay_us)
+            max_input_tokens=max_input_tokens, queue_delay_us=queue_delay_us)
     report = run(export_dir, cfg, out, force=force)
     t = Table(title=f"Triton model repository ({report['flavour']}, {report['kind']})", title_justify="left")
     for col in ("model", "backend", "max batch", "instances", "inputs", "outputs"):

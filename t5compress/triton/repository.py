@@ -97,17 +97,20 @@ def leaf_model(export: Path, graph: str, name: str, kind: str, instances: int, t
 
 
 def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, max_batch: int, queue_delay_us: int,
-              max_beams: int, max_new_tokens: int) -> ModelPlan:
+              max_beams: int, max_new_tokens: int, max_input_tokens: int = -1) -> ModelPlan:
     inputs = [pbtxt.tensor("TEXT", "TYPE_STRING", [1])]
     inputs += [pbtxt.tensor(k, t, [1], optional=True) for k, t in GENERATION_INPUTS.items()]
     cfg = {
         "name": name, "backend": "python", "max_batch_size": max_batch, "input": inputs,
         "output": [pbtxt.tensor("OUTPUT_TEXT", "TYPE_STRING", [-1]),  # (batch, num_return_sequences)
-                   pbtxt.tensor("OUTPUT_IDS", "TYPE_INT64", [-1, -1])],  # (batch, num_return_sequences, len)
+                   pbtxt.tensor("OUTPUT_IDS", "TYPE_INT64", [-1, -1]),  # (batch, num_return_sequences, len)
+                   pbtxt.tensor("INPUT_TOKENS", "TYPE_INT64", [1]),  # (batch, 1): tokens before truncation
+                   pbtxt.tensor("TRUNCATED", "TYPE_BOOL", [1])],  # (batch, 1): cut to max_input_tokens
         "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
         "instance_group": pbtxt.instance_group("cpu", instances),  # tokenizer and search: CPU work in any case
         "parameters": pbtxt.parameters({"leaf_models": leaves, "max_beams": str(max_beams),
-                                        "max_new_tokens": str(max_new_tokens)}),
+                                        "max_new_tokens": str(max_new_tokens),
+                                        "max_input_tokens": str(max_input_tokens)}),
     }
     files = {f.name: f for f in sorted(export.iterdir())
              if f.is_file() and f.suffix in (".json", ".model", ".txt") and f.name not in NOT_COPIED}

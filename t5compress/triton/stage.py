@@ -39,6 +39,8 @@ class TritonConfig:
     max_batch_size: int = option(8, help="Requests the text model generates together (dynamic batching).")
     max_beams: int = option(4, help="Largest num_beams a request may ask for (sizes the leaf models' batches).")
     max_new_tokens: int = option(512, help="Largest max_new_tokens a request may ask for.")
+    max_input_tokens: int = option(-1, help="Longer request texts are truncated to this many tokens and the response "
+                                             "says so (TRUNCATED); -1: the export's limit, 0: no limit.")
     queue_delay_us: int = option(2000, help="Dynamic batching: microseconds a request may wait for others.")
 
     def __post_init__(self) -> None:
@@ -47,6 +49,7 @@ class TritonConfig:
         choose(pbtxt.KINDS, self.kind, "instance kind")
         for field in ("instances", "bls_instances", "threads", "max_batch_size", "max_beams", "max_new_tokens"):
             require(getattr(self, field) >= 1, field, f"must be >= 1, got {getattr(self, field)}")
+        require(self.max_input_tokens >= -1, "max_input_tokens", f"must be >= -1, got {self.max_input_tokens}")
         require(self.queue_delay_us >= 0, "queue_delay_us", f"must be >= 0, got {self.queue_delay_us}")
 
     def leaf_names(self) -> dict[str, str]:
@@ -59,7 +62,7 @@ def plan(src: Path, cfg: TritonConfig) -> list[repository.ModelPlan]:
     leaves = cfg.leaf_names()
     leaf_batch = cfg.max_batch_size * cfg.max_beams  # the decoders see batch x beams rows
     models = [repository.bls_model(src, cfg.name, leaves, cfg.bls_instances, cfg.max_batch_size, cfg.queue_delay_us,
-                                   cfg.max_beams, cfg.max_new_tokens)]
+                                   cfg.max_beams, cfg.max_new_tokens, cfg.max_input_tokens)]
     models += [repository.leaf_model(src, g, leaves[g], cfg.kind, cfg.instances, cfg.threads, leaf_batch,
                                      cfg.queue_delay_us, cfg.portable) for g in GRAPHS]
     return models
