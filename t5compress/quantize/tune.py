@@ -130,42 +130,57 @@ def _reader(feeds: list[dict[str, np.ndarray]]):
     return Reader()
 
 
+class Pipeline:
+    """The generation runtime of an export dir with any of its graphs swapped: the task metric on the eval data."""
+
+    def __init__(self, src: Path, cfg, evalset):
+        from t5compress.runtime import load_runtime
+
+        self.cfg, self.runtime = cfg, load_runtime(src, threads=cfg.threads)
+        self.base = self.runtime.backend
+        self.graphs = {g: getattr(self.base, _attr(g)) for g in GRAPHS}
+        self.sources = [cfg.prefix + e.source for e in evalset]
+        self.targets = [e.target for e in evalset]
+        self.metric: str | None = None
+
+    def use(self, graph: str, path: Path) -> None:
+        from t5compress.runtime.sessions import OnnxGraph
+
+        self.graphs[graph] = OnnxGraph(path, self.cfg.threads)
+
+    def score(self) -> float:
+        """The metric (exact match; ROUGE-L when fp32 gets no example exactly right) of greedy generation."""
+        from t5compress import metrics
+        from t5compress.quantize.check import greedy_outputs
+
+        self.runtime.backend = replace(self.base, **{_attr(g): self.graphs[g] for g in GRAPHS})
+        try:
+            out = greedy_outputs(self.runtime, self.sources, max_new_tokens=self.cfg.max_new_tokens)
+        finally:
+            self.runtime.backend = self.base
+        scores = metrics.compute(out, self.targets)
+        if self.metric is None:
+            self.metric = METRIC if scores[METRIC] > 0 else FALLBACK_METRIC
+        return float(scores[self.metric])
+
+
 def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = True) -> dict:
     """Tune and write the three int8 graphs into `tmp`; returns the `graphs` part of the quantize report."""
-    import onnxruntime as ort
-
-    from t5compress import metrics
     from t5compress.quantize.calibrate import drive
-    from t5compress.quantize.check import greedy_outputs
     from t5compress.quantize.methods import scratch_dir
-    from t5compress.quantize.stage import plan_for
-    from t5compress.runtime import load_runtime
-    from t5compress.runtime.sessions import OnnxGraph
+    from t5compress.quantize.stage import _smooth
 
-    tuning, config, _ = _onc()
+    _onc()
     if not evalset:
         raise ConfigError("tolerance: tuning needs --eval-data with targets (the task metric it keeps)")
-    sources = [cfg.prefix + e.source for e in evalset]
-    targets = [e.target for e in evalset]
-    runtime = load_runtime(src, threads=cfg.threads)
-    base_backend = runtime.backend
-    graphs = {g: getattr(base_backend, _attr(g)) for g in GRAPHS}
-
-    def score(metric: str | None = None) -> tuple[str, float]:
-        runtime.backend = replace(base_backend, **{_attr(g): graphs[g] for g in GRAPHS})
-        scores = metrics.compute(greedy_outputs(runtime, sources, max_new_tokens=cfg.max_new_tokens), targets)
-        if metric is None:
-            metric = METRIC if scores[METRIC] > 0 else FALLBACK_METRIC
-        return metric, float(scores[metric])
-
-    metric, fp32 = score()
+    pipe = Pipeline(src, cfg, evalset)
+    fp32 = pipe.score()
     if fp32 <= 0:
-        raise QuantizeError(f"the fp32 model scores 0 {metric} on {cfg.eval_data}: no tolerance can be kept")
+        raise QuantizeError(f"the fp32 model scores 0 {pipe.metric} on {cfg.eval_data}: no tolerance can be kept")
     goal = fp32 * (1 - cfg.tolerance)
     steps = math.ceil(len(texts) / cfg.batch_size) * max(cfg.max_new_tokens - 1, 1)
     recorders = {ENCODER: Recorder(), DECODER: Recorder(), DECODER_WITH_PAST: Recorder(math.ceil(steps / MAX_FEEDS))}
-    runtime.backend = base_backend
-    feeds = drive(runtime, texts, {g: [r] for g, r in recorders.items()}, cfg.batch_size, cfg.max_new_tokens)
+    feeds = drive(pipe.runtime, texts, {g: [r] for g, r in recorders.items()}, cfg.batch_size, cfg.max_new_tokens)
     report: dict = {}
     trials: list[dict] = []
     # Its INFO lines per trial are reported here instead; transformers warns each time it reads our config.json.
@@ -175,62 +190,66 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
         q.setLevel(logging.ERROR)
     try:
         with scratch_dir(tmp.parent) as scratch:
+            sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
+            if cfg.smooth_alpha > 0:  # the same smoothed fp32 graphs as untuned static int8 starts from
+                sources, report["smooth_quant"] = _smooth(sources, cfg, texts, Path(scratch), progress)
             for g in TUNE_ORDER:
-                path = src / f"{g}{ONNX_SUFFIX}"
-                plan = plan_for(path, cfg)
-                nodes = list(plan.nodes) + list(plan.exclude)
-                cands = candidates(nodes, list(plan.exclude), _linear(path))
-                baseline, state = None, {"index": 0}
-
-                def evaluate(model_path: str, g=g, path=path, cands=cands, state=state) -> float:
-                    nonlocal baseline
-                    candidate = Path(model_path)
-                    if candidate == path and baseline is not None:
-                        return baseline
-                    graphs[g] = OnnxGraph(candidate, cfg.threads)
-                    value = score(metric)[1]
-                    if candidate == path:
-                        baseline = value
-                    else:
-                        label, kept = cands[state["index"]]
-                        trials.append({"graph": g, "candidate": state["index"], "fp32": label, "kept_fp32": len(kept),
-                                       metric: value, "meets_goal": value >= goal - 1e-9})
-                        log.info("tuning %s: %s (%d node(s) fp32) -> %s %.2f, goal %.2f", g, label, len(kept),
-                                 metric, value, goal)
-                    return value
-
-                graphs[g] = OnnxGraph(path, cfg.threads)
-                evaluate(str(path))
-                tolerable = max(0.0, 1 - goal / baseline) + 1e-9 if baseline > 0 else 0.0
-                configs = _configs(config, cfg, path, plan, cands, len(recorders[g].feeds))
-                tune_cfg = tuning.TuningConfig(config_set=configs, sampler=_recording_sampler(state),
-                                               tolerable_loss=tolerable, max_trials=len(configs))
-                try:
-                    best = tuning.autotune(str(path), tune_cfg, eval_fn=evaluate,
-                                           calibration_data_reader=_reader(recorders[g].feeds),
-                                           optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-                except SystemExit as e:  # onnx-neural-compressor exits when no candidate meets the goal
-                    raise QuantizeError(f"tuning {g}: no candidate reached {metric} {goal:.2f}; nothing was written") \
-                        from e
                 dst = tmp / f"{g}{ONNX_SUFFIX}"
-                _save(best, dst, Path(scratch))
-                graphs[g] = OnnxGraph(dst, cfg.threads)
-                kept = cands[state["index"]][1]
-                report[g] = {"quantized_nodes": len(nodes) - len(kept), "kept_fp32": kept,
-                             "calibration_feeds": len(recorders[g].feeds), "seen_feeds": feeds[g],
-                             "candidates": [label for label, _ in cands]}
+                report[g] = tune_graph(g, sources[g], dst, cfg, pipe, goal, recorders[g].feeds, trials)
+                report[g]["seen_feeds"] = feeds[g]
+                pipe.use(g, dst)
     finally:
         for q, lv in zip(quiet, levels, strict=True):
             q.setLevel(lv)
-        runtime.backend = base_backend
-    final = score(metric)[1]
-    report["tuning"] = {"tool": "onnx-neural-compressor autotune", "metric": metric, "fp32": fp32,
-                        "tolerance": cfg.tolerance, "goal": round(goal, 4), "int8": final, "trials": trials}
+    report["tuning"] = {"tool": "onnx-neural-compressor autotune", "metric": pipe.metric, "fp32": fp32,
+                        "tolerance": cfg.tolerance, "goal": round(goal, 4), "int8": pipe.score(), "trials": trials}
     if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
         from t5compress.export.onnx import write_merged
 
         write_merged(tmp, external=False)
     return report
+
+
+def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, feeds: list, trials: list) -> dict:
+    """onnx-neural-compressor's autotune on graph `g` (the other graphs as `pipe` has them); writes `dst`."""
+    import onnxruntime as ort
+
+    from t5compress.quantize.stage import plan_for
+
+    tuning, config, _ = _onc()
+    plan = plan_for(path, cfg)
+    nodes = list(plan.nodes) + list(plan.exclude)
+    cands = candidates(nodes, list(plan.exclude), _linear(path))
+    state: dict = {"index": 0}
+    pipe.use(g, path)
+    baseline = pipe.score()  # this graph fp32, the ones tuned before it int8
+
+    def evaluate(model_path: str) -> float:
+        if Path(model_path) == path:  # autotune's own baseline call
+            return baseline
+        pipe.use(g, Path(model_path))
+        value = pipe.score()
+        label, kept = cands[state["index"]]
+        trials.append({"graph": g, "candidate": state["index"], "fp32": label, "kept_fp32": len(kept),
+                       pipe.metric: value, "meets_goal": value >= goal - 1e-9})
+        log.info("tuning %s: %s (%d node(s) fp32) -> %s %.2f, goal %.2f", g, label, len(kept), pipe.metric, value,
+                 goal)
+        return value
+
+    # autotune stops at baseline x (1 - tolerable_loss): make that the end-to-end goal, fp32 x (1 - tolerance)
+    tolerable = max(0.0, 1 - goal / baseline) + 1e-9 if baseline > 0 else 0.0
+    configs = _configs(config, cfg, path, plan, cands, len(feeds))
+    tune_cfg = tuning.TuningConfig(config_set=configs, sampler=_recording_sampler(state), tolerable_loss=tolerable,
+                                   max_trials=len(configs))
+    try:
+        best = tuning.autotune(str(path), tune_cfg, eval_fn=evaluate, calibration_data_reader=_reader(feeds),
+                               optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    except SystemExit as e:  # onnx-neural-compressor exits when no candidate meets the goal
+        raise QuantizeError(f"tuning {g}: no candidate reached {pipe.metric} {goal:.2f}; nothing was written") from e
+    _save(best, dst)
+    kept = cands[state["index"]][1]
+    return {"quantized_nodes": len(nodes) - len(kept), "kept_fp32": kept, "calibration_feeds": len(feeds),
+            "candidates": [label for label, _ in cands]}
 
 
 def _attr(graph: str) -> str:
@@ -270,7 +289,7 @@ def _configs(config, cfg, path: Path, plan, cands: list[tuple[str, list[str]]], 
         raise ConfigError(f"op_types: onnx-neural-compressor refuses them: {first_line(e)}") from e
 
 
-def _save(model, dst: Path, scratch: Path) -> None:
+def _save(model, dst: Path) -> None:
     """One self-contained file, as the rest of the quantize stage writes."""
     import onnx
 
