@@ -55,7 +55,7 @@ def test_tuning_keeps_layers_fp32_until_the_metric_is_back(skilled, tmp_path):
         kept = r["graphs"][g]["kept_fp32"]
         assert len(kept) == mine[-1]["kept_fp32"]
         # the nodes reported fp32 are in the written graph, with their fp32 weights; the rest is int8
-        assert fp32_nodes(out / f"{g}.onnx", kept) == kept
+        assert sorted(fp32_nodes(out / f"{g}.onnx", kept)) == sorted(kept)
         assert r["graphs"][g]["quantized_nodes"] > 0
         assert Counter(n.op_type for n in onnx.load(str(out / f"{g}.onnx")).graph.node)["DequantizeLinear"] > 0
     assert any(not t["meets_goal"] for t in trials)  # the search really searched
