@@ -3,12 +3,13 @@
     run(src, tmp, QuantizeConfig(calib_data=..., eval_data=..., tolerance=0.01), texts, evalset) -> graphs report
 
 The search is onnx-neural-compressor's own (`tuning.autotune` over a `TuningConfig` of `StaticQuantConfig`s, its
-calibration and its quantizer); what it tunes is which linear layers stay fp32, in growing groups (lm_head, FFN
-output `wo`, FFN input `wi`, attention output, q/k/v, embeddings, everything). Its autotune takes one ONNX graph and a
-T5 export is three, so each graph is tuned in turn (decoder-with-past first: it runs at every generated token) with
-an eval function that swaps the candidate graph into the generation runtime beside the graphs settled so far and
-returns the task metric of the whole pipeline on the eval data. Every graph's stop threshold is the same absolute
-number, fp32's metric x (1 - tolerance), so the final model is within tolerance of fp32 end to end, not per graph.
+calibration and its quantizer); what it tunes is which nodes stay fp32, in growing groups (non-linear op types if
+any were asked for, lm_head, FFN output `wo`, FFN input `wi`, attention output, q/k/v, embeddings, everything).
+Its autotune takes one ONNX graph and a T5 export is three, so each graph is tuned in turn (decoder-with-past first:
+it runs at every generated token) with an eval function that swaps the candidate graph into the generation runtime
+beside the graphs settled so far and returns the task metric of the whole pipeline on the eval data. Every graph's
+stop threshold is the same absolute number, fp32's metric x (1 - tolerance), so the final model is within tolerance
+of fp32 end to end, not per graph.
 
 onnx-neural-compressor 1.0 declares numpy<2 but runs this path under numpy 2 (measured; see the Makefile), and it
 calls exit() when no candidate meets the goal: the last candidate here is the graph all fp32, which always does.
@@ -48,8 +49,8 @@ def _onc():
         from onnx_neural_compressor import data_reader
         from onnx_neural_compressor.quantization import config, tuning
     except ImportError as e:
-        raise ConfigError(f"--tolerance needs onnx-neural-compressor ({first_line(e)}); install it with `make` "
-                          "(pip install --no-deps onnx-neural-compressor==1.0 scipy prettytable py-cpuinfo)") from e
+        raise ConfigError(f"tolerance: tuning needs onnx-neural-compressor ({first_line(e)}); `make` installs it "
+                          "(pip install -e '.[inc]' && pip install --no-deps onnx-neural-compressor==1.0)") from e
     return tuning, config, data_reader
 
 
