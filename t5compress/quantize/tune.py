@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -167,9 +168,8 @@ class Pipeline:
 
 def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = True) -> dict:
     """Tune and write the three int8 graphs into `tmp`; returns the `graphs` part of the quantize report."""
-    from t5compress.quantize.calibrate import drive
     from t5compress.quantize.methods import scratch_dir
-    from t5compress.quantize.stage import _smooth
+    from t5compress.quantize.stage import _drive, _smooth
 
     _onc()
     if not evalset:
@@ -181,7 +181,8 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     goal = fp32 * (1 - cfg.tolerance)
     steps = math.ceil(len(texts) / cfg.batch_size) * max(cfg.max_new_tokens - 1, 1)
     recorders = {ENCODER: Recorder(), DECODER: Recorder(), DECODER_WITH_PAST: Recorder(math.ceil(steps / MAX_FEEDS))}
-    feeds = drive(pipe.runtime, texts, {g: [r] for g, r in recorders.items()}, cfg.batch_size, cfg.max_new_tokens)
+    sinks = {g: [r] for g, r in recorders.items()}
+    feeds = _drive(pipe.runtime, texts, sinks, cfg, progress, "recording calibration feeds")
     report: dict = {}
     trials: list[dict] = []
     # Its INFO lines per trial are reported here instead; transformers warns each time it reads our config.json.
@@ -190,13 +191,14 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     for q in quiet:
         q.setLevel(logging.ERROR)
     try:
-        with scratch_dir(tmp.parent) as scratch:
+        with scratch_dir(tmp.parent) as scratch, _status(progress) as status:
             sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
             if cfg.smooth_alpha > 0:  # the same smoothed fp32 graphs as untuned static int8 starts from
                 sources, report["smooth_quant"] = _smooth(sources, cfg, texts, Path(scratch), progress)
             for g in TUNE_ORDER:
                 dst = tmp / f"{g}{ONNX_SUFFIX}"
-                report[g] = tune_graph(g, sources[g], dst, cfg, pipe, goal, recorders[g].feeds, trials)
+                status(f"tuning {g}")
+                report[g] = tune_graph(g, sources[g], dst, cfg, pipe, goal, recorders[g].feeds, trials, status)
                 report[g]["seen_feeds"] = feeds[g]
                 pipe.use(g, dst)
     finally:
@@ -211,8 +213,10 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     return report
 
 
-def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, feeds: list, trials: list) -> dict:
-    """onnx-neural-compressor's autotune on graph `g` (the other graphs as `pipe` has them); writes `dst`."""
+def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, feeds: list, trials: list,
+               status=lambda text: None) -> dict:
+    """onnx-neural-compressor's autotune on graph `g` (the other graphs as `pipe` has them); writes `dst`.
+    Appends one record per trial to `trials` and shows each result through `status(text)`."""
     import onnxruntime as ort
 
     from t5compress.quantize.stage import plan_for
@@ -233,8 +237,9 @@ def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, 
         label, kept = cands[state["index"]]
         trials.append({"graph": g, "candidate": state["index"], "fp32": label, "kept_fp32": len(kept),
                        pipe.metric: value, "meets_goal": value >= goal - 1e-9})
-        log.info("tuning %s: %s (%d node(s) fp32) -> %s %.2f, goal %.2f", g, label, len(kept), pipe.metric, value,
-                 goal)
+        line = f"tuning {g}: {label} ({len(kept)} node(s) fp32) -> {pipe.metric} {value:g}, goal {goal:g}"
+        log.info(line)
+        status(line)
         return value
 
     # autotune stops at baseline x (1 - tolerable_loss): make that the end-to-end goal, fp32 x (1 - tolerance)
@@ -251,6 +256,19 @@ def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, 
     kept = cands[state["index"]][1]
     return {"quantized_nodes": len(nodes) - len(kept), "kept_fp32": kept, "calibration_feeds": len(feeds),
             "candidates": [label for label, _ in cands]}
+
+
+@contextmanager
+def _status(show: bool):
+    """A transient one-line rich status (what is being tuned, the last trial's result), or nothing."""
+    if not show:
+        yield lambda text: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task("tuning", total=None)
+        yield lambda text: bar.update(task, description=text)
 
 
 def _attr(graph: str) -> str:
