@@ -11,10 +11,15 @@ TRITON_REQS := triton_models/requirements.txt
 
 .PHONY: demo test test-fast lint clean triton-env
 
+# onnx-neural-compressor 1.0 (quantize --tolerance) declares numpy<2, but the path we use (StaticQuantConfig,
+# its calibration and quantizer, tuning.autotune) runs under numpy 2: tests/test_tune.py runs exactly that path.
+# Installed with its dependencies it would downgrade numpy, so it goes in --no-deps, its dependencies come from
+# the `inc` extra, and `pip check` reports that one pin and nothing else (tests/test_tune.py checks it).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[peers,dev,triton]'
+	$(BIN)/pip install -q -e '.[peers,dev,triton,inc]'
+	$(BIN)/pip install -q --no-deps 'onnx-neural-compressor==1.0'
 	touch $(STAMP)
 
 $(TRITON_STAMP): $(TRITON_REQS)

@@ -55,6 +55,9 @@ class QuantizeConfig:
     eval_max: int = opt(200, "Evaluate on at most this many eval records.")
     min_agreement: float = opt(0.9, "Refuse the result when int8 picks fp32's next token less often than this.")
     threads: int = opt(0, "ONNX Runtime threads while calibrating and checking (0: all cores).")
+    tolerance: float | None = opt(None, "Accuracy-aware tuning (onnx-neural-compressor): keep layers fp32 until the "
+                                        "task metric on --eval-data is at most this much below fp32, relative "
+                                        "(0.01: 1%).")
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, "mode", f"choose one of {', '.join(MODES)}")
@@ -72,6 +75,10 @@ class QuantizeConfig:
                 "smoothing measures activations: give --calib-data")
         require(0 <= self.min_agreement <= 1, "min_agreement", f"must be in [0, 1], got {self.min_agreement}")
         require(self.eval_max >= 1, "eval_max", f"must be >= 1, got {self.eval_max}")
+        require(self.tolerance is None or 0 <= self.tolerance < 1, "tolerance",
+                f"must be in [0, 1), e.g. 0.01 for 1%, got {self.tolerance}")
+        require(self.tolerance is None or (self.mode == "static" and bool(self.eval_data)), "tolerance",
+                "tuning needs --static and --eval-data (the task metric it keeps within tolerance)")
 
 
 def check_export_dir(src: Path) -> None:
@@ -107,7 +114,12 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, for
             if f.is_file() and not f.name.endswith((ONNX_SUFFIX, ".onnx_data")) and f.name not in (
                     artifacts.META_FILE, artifacts.REPORT_FILE):
                 shutil.copy2(f, tmp / f.name)
-        graphs = _quantize_graphs(src, tmp, cfg, texts, progress)
+        if cfg.tolerance is not None:  # onnx-neural-compressor's accuracy-aware tuning picks the fp32 nodes
+            from t5compress.quantize import tune
+
+            graphs = tune.run(src, tmp, cfg, texts, evalset, progress)
+        else:
+            graphs = _quantize_graphs(src, tmp, cfg, texts, progress)
         report = {"stage": "quantize", **_settings(cfg), "graphs": graphs, "size": _sizes(src, tmp)}
         report.update(_check(src, tmp, cfg, texts, evalset))
         report["seconds"] = round(time.perf_counter() - started, 2)
