@@ -19,16 +19,6 @@ from t5compress.quantize.tune import FALLBACKS, TUNE_ORDER, candidates, fp32_nod
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def skilled(tmp_path_factory) -> Path:
-    """The demo model trained to real but not perfect skill (about 70-90% exact match), exported to ONNX."""
-    from t5compress import demo
-
-    out = tmp_path_factory.mktemp("skilled") / "demo"
-    demo.run(demo.DemoConfig(train_examples=2000, eval_examples=200, max_steps=150), out, progress=False)
-    return out
-
-
 def _data(skilled: Path, name: str) -> str:
     return str(skilled / "data" / f"{name}.jsonl")
 
