@@ -73,8 +73,9 @@ def print_report(report: dict, con) -> None:
             t.add_row(f"{k} ({ev['examples']} eval)", str(ev["fp32"][k]), str(ev["int8"][k]))
     con.print(t)
     con.print(f"vs fp32 on {check['texts']} {check['on']}: next token {check['next_token_agreement']:.2%}, "
-              f"greedy outputs {check['greedy_agreement']:.2%} identical, max logit error "
-              f"{check['max_rel_logit_error']:.3f} of the logit range", highlight=False)
+              f"greedy outputs {check['greedy_agreement']:.2%} identical; logit error "
+              f"{check['mean_rel_logit_error']:.3f} of the logit range on average, "
+              f"{check['max_rel_logit_error']:.3f} at worst", highlight=False)
     tuned = report["graphs"].get("tuning")
     if tuned:
         con.print(f"tuned by onnx-neural-compressor: {len(tuned['trials'])} trial(s), {tuned['metric']} "
