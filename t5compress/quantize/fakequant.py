@@ -20,9 +20,10 @@ keep `.weight` as the original Parameter: tied weights stay tied and T5's FFN ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,8 +50,8 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
 
 def fake_quant_act(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
     """uint8 per-tensor fake quantization, as ONNX QuantizeLinear then DequantizeLinear (round half to even)."""
-    q = torch.clamp(x / scale + zero_point, A_MIN, A_MAX)
-    return (_round_ste(q) - zero_point) * scale
+    q = torch.clamp(_round_ste(x / scale) + zero_point, A_MIN, A_MAX)  # round before the shift, as ONNX does
+    return (q - zero_point) * scale
 
 
 def weight_scale(w: torch.Tensor) -> torch.Tensor:
@@ -264,6 +265,19 @@ def strip(model: nn.Module) -> nn.Module:
         emb = model.shared.plain()
         model.shared = model.encoder.embed_tokens = model.decoder.embed_tokens = emb
     return model
+
+
+@contextlib.contextmanager
+def plain_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """Temporarily the plain fp32 model (e.g. to trace it); the fake-quant modules come back afterwards."""
+    every = model.named_modules(remove_duplicate=False)  # the embedding under all three of its names
+    saved = {n: m for n, m in every if isinstance(m, QuantLinear | QuantEmbedding)}
+    strip(model)
+    try:
+        yield model
+    finally:
+        for name, m in saved.items():
+            _set(model, name, m)
 
 
 def quant_layers(model: nn.Module) -> dict[str, QuantLinear | QuantEmbedding]:
