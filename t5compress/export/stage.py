@@ -101,7 +101,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
     out = artifacts.check_output(out, force)  # before loading anything heavy
     model, tokenizer = _load(src)
     exporter = EXPORTERS[cfg.format]
-    from t5compress.quantize.fakequant import is_qat_dir
+    from t5compress.quantize.scheme import is_qat_dir
 
     if is_qat_dir(src):  # learned int8 scales beside the weights: Q/DQ graphs, checked against the fake-quant model
         from t5compress.quantize.fakequant import load_fake_quant

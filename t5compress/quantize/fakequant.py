@@ -24,24 +24,20 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from t5compress.config import choose, option, require
 from t5compress.errors import ModelError
+from t5compress.quantize.scheme import ACT_MODES, FORMAT, SCALES_FILE, SCALES_JSON, FakeQuantConfig
 
 log = logging.getLogger(__name__)
 
-SCALES_JSON = "quantization.json"
-SCALES_FILE = "quantization.safetensors"
-FORMAT = "t5compress-qat-int8"
 W_MAX = 127  # symmetric int8 weights; -128 unused so that -w is representable
 A_MIN, A_MAX = 0, 255  # uint8 activations
-KEEP_WO = ("auto", "yes", "no")
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -127,18 +123,6 @@ class ActQuant(nn.Module):
         self.calibrating, self._seen = False, []
 
 
-@dataclass(frozen=True)
-class ActMode:
-    help: str
-    learned: bool
-
-
-ACT_MODES: dict[str, ActMode] = {
-    "lsq": ActMode("learned step size: the scale is a parameter trained with the weights (LSQ)", learned=True),
-    "ema": ActMode("exponential moving average of each training batch's range", learned=False),
-}
-
-
 class QuantLinear(nn.Linear):
     """nn.Linear with fake-quantized input (per tensor) and weight (per output channel); `.weight` is unchanged."""
 
@@ -187,22 +171,6 @@ class QuantEmbedding(nn.Embedding):
                   "sparse", "weight"):
             setattr(emb, k, getattr(self, k))
         return emb
-
-
-@dataclass(frozen=True)
-class FakeQuantConfig:
-    act_scale: str = option("lsq", "Activation scales after calibration: lsq (learned) or ema (moving average).")
-    ema_momentum: float = option(0.99, "Momentum of the ema activation scales.")
-    calib_batches: int = option(8, "Training batches observed to set the initial activation scales.")
-    keep_wo: str = option("auto", "Keep the FFN output projection wo in fp32: auto (gated-gelu models), yes or no.")
-    lm_head: bool = option(True, "Quantize lm_head (the largest matrix, and most of the per-token time).")
-    embedding: bool = option(True, "Quantize the token embedding table (per row, int8).")
-
-    def __post_init__(self) -> None:
-        choose(ACT_MODES, self.act_scale, "activation scale mode")
-        require(0 < self.ema_momentum < 1, "ema_momentum", f"must be in (0, 1), got {self.ema_momentum}")
-        require(self.calib_batches >= 1, "calib_batches", f"must be >= 1, got {self.calib_batches}")
-        require(self.keep_wo in KEEP_WO, "keep_wo", f"choose one of {', '.join(KEEP_WO)}, got {self.keep_wo!r}")
 
 
 def keeps_wo(model: nn.Module, cfg: FakeQuantConfig) -> bool:
@@ -352,10 +320,6 @@ def save_scales(model: nn.Module, out: Path, cfg: FakeQuantConfig) -> dict:
 
 def kept_fp32(model: nn.Module) -> list[str]:
     return sorted(n for n, m in model.named_modules() if type(m) is nn.Linear)
-
-
-def is_qat_dir(path: str | Path) -> bool:
-    return (Path(path) / SCALES_JSON).is_file()
 
 
 def load_fake_quant(path: str | Path, model: nn.Module) -> nn.Module:

@@ -18,7 +18,6 @@ from pathlib import Path
 from t5compress import artifacts
 from t5compress.data import batch_order, collate
 from t5compress.quantize.fakequant import (
-    FakeQuantConfig,
     QuantEmbedding,
     QuantLinear,
     calibrate,
@@ -28,6 +27,7 @@ from t5compress.quantize.fakequant import (
     strip,
     summarize,
 )
+from t5compress.quantize.scheme import FakeQuantConfig
 from t5compress.training import FinetuneConfig, Session, fit_session, open_session
 
 log = logging.getLogger(__name__)
