@@ -27,8 +27,8 @@ RTOL = 1e-3  # of the logits' (encoder: hidden states') max |value|; the stage's
 
 
 def _cfg(data, **train) -> qat.QatConfig:
-    base = dict(max_steps=6, batch_size=16, lr=1e-3, eval_every=0, eval_max_examples=12, eval_max_new_tokens=8,
-                metric="loss")
+    base = dict(max_steps=6, batch_size=16, lr=1e-3, eval_every=0, save_every=3, eval_max_examples=12,
+                eval_max_new_tokens=8, metric="loss")
     base.update(train)
     return qat.QatConfig(FinetuneConfig(train_data=str(data), data=DataConfig(max_target_length=48),
                                         train=TrainConfig(**base)), FakeQuantConfig(calib_batches=4))
@@ -157,6 +157,29 @@ def test_qat_refuses_a_non_t5_dir_and_writes_nothing(tmp_path, demo_jsonl):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
 
 
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_qat_resumes_after_a_kill_and_ends_where_a_clean_run_ends(qat_run, tiny_model_dir, demo_jsonl, tmp_path):
+    clean, _ = qat_run
+    out = tmp_path / "qat"
+
+    def kill(state):
+        if state["step"] == 3:  # after the step-3 checkpoint is written
+            raise _Killed()
+
+    with pytest.raises(_Killed):
+        qat.run(str(tiny_model_dir), _cfg(demo_jsonl), out, progress=False, on_step=kill)
+    assert not out.exists() and (tmp_path / "qat.partial").is_dir()
+    report = qat.run(str(tiny_model_dir), _cfg(demo_jsonl), out, resume=True, progress=False)
+    assert report["train"]["resumed_from_step"] == 3 and report["train"]["steps"] == 6
+    for name in ("model.safetensors", "quantization.safetensors"):
+        got, want = load_file(str(out / name)), load_file(str(clean / name))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+
+
 @pytest.mark.slow
 def test_cli_qat_then_export_happy_path_and_bad_input(tiny_gated_dir, demo_jsonl, tmp_path):
     from t5compress.cli.app import app
@@ -167,12 +190,14 @@ def test_cli_qat_then_export_happy_path_and_bad_input(tiny_gated_dir, demo_jsonl
                             "--eval-every", "0", "--eval-max-examples", "8", "--act-scale", "ema",
                             "--calib-batches", "2"])
     assert r.exit_code == 0, r.output
-    assert "int8 fake-quant, after QAT" in r.output and "kept fp32: decoder.block.0.layer.2" in r.output
+    text = " ".join(r.output.split())  # rich wraps at the runner's terminal width
+    assert "int8 fake-quant, after QAT" in text and "kept fp32: decoder.block.0.layer.2.DenseReluDense.wo" in text
     assert json.loads((out / "t5compress.json").read_text())["config"]["quant"]["act_scale"] == "ema"
     r = runner.invoke(app, ["export", str(out), str(tmp_path / "x"), "--onnx"])
     assert r.exit_code == 0, r.output
-    assert "int8 Q/DQ ONNX graphs" in r.output and "greedy token agreement 100.0%" in r.output
+    text = " ".join(r.output.split())
+    assert "int8 Q/DQ ONNX graphs" in text and "greedy token agreement 100.0%" in text
     r = runner.invoke(app, ["qat", str(tiny_gated_dir), str(demo_jsonl), str(tmp_path / "bad"), "--keep-wo", "maybe"])
-    assert r.exit_code == 2 and "keep_wo: choose one of auto, yes, no" in r.output
+    assert r.exit_code == 2 and "keep_wo: choose one of auto, yes, no" in " ".join(r.output.split())
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
     np.testing.assert_equal(sorted(p.name for p in tmp_path.iterdir()), ["q", "x"])

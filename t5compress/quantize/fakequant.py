@@ -103,7 +103,8 @@ class ActQuant(nn.Module):
         if self.training and not self.learned:
             with torch.no_grad():
                 self.ema_scale.mul_(self.momentum).add_((1 - self.momentum) * self._range_scale(x))
-        return fake_quant_act(x.float(), self.scale(), self.zero_point).to(x.dtype)
+        scale = self.scale() if self.learned else self.ema_scale.clone()  # the buffer changes in place later on
+        return fake_quant_act(x.float(), scale, self.zero_point).to(x.dtype)
 
     def _range_scale(self, x: torch.Tensor) -> torch.Tensor:
         if self.zero_point.item() == 0:
