@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--qat-lr", type=float, default=2e-4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reuse", action="store_true", help="keep OUT's data and finished model dirs, redo the rest")
+    ap.add_argument("--no-fp32-more", action="store_true", help="skip the fp32 row with the extra training steps")
     args = ap.parse_args()
 
     from t5compress import create, training
@@ -56,8 +58,9 @@ def main() -> None:
     from t5compress.trainer import TrainConfig
 
     out = args.out
-    shutil.rmtree(out, ignore_errors=True)
-    (out / "data").mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(out, ignore_errors=True)
+    (out / "data").mkdir(parents=True, exist_ok=True)
     train_file, eval_file = out / "data" / "train.jsonl", out / "data" / "eval.jsonl"
     write_jsonl(train_file, make_examples(4000, args.seed))
     write_jsonl(eval_file, make_examples(200, args.seed + 1))
@@ -65,8 +68,9 @@ def main() -> None:
     d = args.d_model
     overrides = {"d_model": d, "d_ff": 4 * d, "num_heads": 4, "d_kv": d // 4, "num_layers": 2,
                  "num_decoder_layers": 2, "dropout_rate": 0.0}
-    create.run(create.CreateConfig(arch="t5-efficient-tiny", text=str(train_file), vocab_size=256,
-                                   overrides=overrides, seed=args.seed), out / "init")
+    if not (out / "init").is_dir():
+        create.run(create.CreateConfig(arch="t5-efficient-tiny", text=str(train_file), vocab_size=256,
+                                       overrides=overrides, seed=args.seed), out / "init")
     data = DataConfig(max_source_length=32, max_target_length=32)
 
     def finetune(src: Path, dst: Path, steps: int, lr: float) -> training.FinetuneConfig:
@@ -77,15 +81,20 @@ def main() -> None:
         )
 
     t0 = time.perf_counter()
-    training.run(str(out / "init"), finetune(out / "init", out / "fp32", args.steps, 1e-3), out / "fp32",
-                 progress=False)
-    training.run(str(out / "fp32"), finetune(out / "fp32", out / "fp32-more", args.qat_steps, args.qat_lr),
-                 out / "fp32-more", progress=False)
-    q = qat.run(str(out / "fp32"), qat.QatConfig(finetune(out / "fp32", out / "qat", args.qat_steps, args.qat_lr)),
-                out / "qat", progress=False)
+    if not (out / "fp32").is_dir():
+        training.run(str(out / "init"), finetune(out / "init", out / "fp32", args.steps, 1e-3), out / "fp32",
+                     progress=False, resume=(out / "fp32.partial" / "latest.json").is_file())
+    names = ("fp32", "qat") if args.no_fp32_more else ("fp32", "fp32-more", "qat")
+    if "fp32-more" in names and not (out / "fp32-more").is_dir():
+        training.run(str(out / "fp32"), finetune(out / "fp32", out / "fp32-more", args.qat_steps, args.qat_lr),
+                     out / "fp32-more", progress=False)
+    if not (out / "qat").is_dir():
+        qat.run(str(out / "fp32"), qat.QatConfig(finetune(out / "fp32", out / "qat", args.qat_steps, args.qat_lr)),
+                out / "qat", progress=False, force=True)
+    q = json.loads((out / "qat" / "report.json").read_text())
     results, exports = {}, {}
-    for name in ("fp32", "fp32-more", "qat"):
-        exports[name] = export.run(str(out / name), export.ExportConfig(), out / f"{name}-onnx")
+    for name in names:
+        exports[name] = export.run(str(out / name), export.ExportConfig(), out / f"{name}-onnx", force=True)
         results[name] = score(out / f"{name}-onnx", rows)
         results[name]["onnx_bytes"] = onnx_bytes(out / f"{name}-onnx")
     base = results["fp32"]["predictions"]
@@ -104,6 +113,7 @@ def main() -> None:
     }
     labels = {"fp32": f"fp32 ({args.steps} steps)", "fp32-more": f"fp32 (+{args.qat_steps} steps)",
               "qat": f"int8 QAT (+{args.qat_steps} steps)"}
+    summary["qat_calibrated_before_training"] = q["metrics"]["int8_calibrated"]
     md = ["| model (ONNX, t5compress runtime, greedy) | exact match | ROUGE-L | BLEU | same output as fp32 | "
           "ONNX MB |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
