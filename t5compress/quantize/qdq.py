@@ -77,6 +77,7 @@ def quantize_graph(proto, table: dict[bytes, _Linear | _Embedding]) -> dict:
     added: list = []
     act_out: dict[tuple[str, int], str] = {}
     nodes, stats = [], {"matmul_int8": 0, "gather_int8": 0, "activation_qdq": 0}
+    found: set[str] = set()
 
     def init(array: np.ndarray, name: str) -> str:
         added.append(numpy_helper.from_array(array, name))
@@ -104,6 +105,7 @@ def quantize_graph(proto, table: dict[bytes, _Linear | _Embedding]) -> dict:
                 stats["activation_qdq"] += 1
             node.input[0] = act_out[k]
             stats["matmul_int8"] += 1
+            found.add(entry.name)
         entry = table.get(keys.get(node.input[0] if node.input else "", b""))
         if node.op_type == "Gather" and isinstance(entry, _Embedding):
             t, ids, out = node.input[0], node.input[1], node.output[0]
@@ -115,6 +117,7 @@ def quantize_graph(proto, table: dict[bytes, _Linear | _Embedding]) -> dict:
                 helper.make_node("Mul", [f"{out}_float", f"{out}_scale"], [out], name=f"{node.name}_dequantize"),
             ]
             stats["gather_int8"] += 1
+            found.add(entry.name)
             continue
         nodes.append(node)
     used = {x for n in nodes for x in n.input}
@@ -123,7 +126,7 @@ def quantize_graph(proto, table: dict[bytes, _Linear | _Embedding]) -> dict:
     graph.node.extend(nodes)
     del graph.initializer[:]
     graph.initializer.extend(kept + [t for t in added if t.name in used])
-    return stats
+    return {**stats, "layers": sorted(found)}
 
 
 def quantize_file(path: Path, table: dict, external: bool) -> dict:
@@ -173,8 +176,10 @@ def export_qdq_dir(model, specs: dict, out: Path, cfg) -> dict:
         export_onnx(model, specs, out, cfg.opset, external)
     table = weight_table(model)
     rewritten = {name: quantize_file(out / f"{name}{ONNX_SUFFIX}", table, external) for name in specs}
-    if not all(r["matmul_int8"] for r in rewritten.values()):
-        raise ExportError(f"no quantized MatMul found in some graphs ({rewritten}): the scales do not fit the model")
+    missing = {e.name for e in table.values()} - {n for r in rewritten.values() for n in r.pop("layers")}
+    if missing:  # e.g. an exporter that writes a layer as Gemm, or a graph the weights do not match
+        raise ExportError(f"int8 export: no ONNX node found for quantized layer(s) {sorted(missing)[:3]}; "
+                          "nothing was written")
     names = list(specs)
     if cfg.merged:
         write_merged(out, external)
