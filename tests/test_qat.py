@@ -195,8 +195,11 @@ def test_cli_qat_then_export_happy_path_and_bad_input(tiny_gated_dir, demo_jsonl
     text = " ".join(r.output.split())  # rich wraps at the runner's terminal width
     assert "int8 fake-quant, after QAT" in text and "kept fp32: decoder.block.0.layer.2.DenseReluDense.wo" in text
     assert json.loads((out / "t5compress.json").read_text())["config"]["quant"]["act_scale"] == "ema"
-    r = runner.invoke(app, ["export", str(out), str(tmp_path / "x"), "--onnx"])
+    r = runner.invoke(app, ["export", str(out), str(tmp_path / "x"), "--onnx", "--merged", "--optimize"])
     assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "x" / "report.json").read_text())
+    assert "decoder_model_merged" in report["parity"]["max_rel_diff"] and "parity_unoptimized" in report
+    assert max(report["parity"]["max_rel_diff"].values()) <= RTOL
     text = " ".join(r.output.split())
     assert "int8 Q/DQ ONNX graphs" in text and "greedy token agreement 100.0%" in text
     r = runner.invoke(app, ["qat", str(tiny_gated_dir), str(demo_jsonl), str(tmp_path / "bad"), "--keep-wo", "maybe"])
