@@ -68,6 +68,9 @@ class ExportConfig:
     rtol: float = option(1e-5, help="Relative part of the parity tolerance, times the tensor's largest magnitude (fp32"
                          " rounding grows with the values: Flan-T5 logits reach ~100).")
     max_new_tokens: int = option(8, help="Tokens generated in the greedy check against model.generate.")
+    int8_rtol: float = option(
+        0.1, help="QAT dirs (int8 graphs): largest difference to the fake-quant model, relative to the logits' scale."
+    )
     external_data_threshold: int = option(
         EXTERNAL_DATA_THRESHOLD, help="Parameter bytes above which ONNX weights are saved as external data files."
     )
@@ -79,6 +82,7 @@ class ExportConfig:
         require(self.decoders in DECODER_LAYOUTS, "decoders", f"choose one of {', '.join(DECODER_LAYOUTS)}")
         require(self.atol >= 0 and self.atol == self.atol, "atol", f"must be a number >= 0, got {self.atol}")
         require(self.rtol >= 0 and self.rtol == self.rtol, "rtol", f"must be a number >= 0, got {self.rtol}")
+        require(self.int8_rtol > 0, "int8_rtol", f"must be > 0, got {self.int8_rtol}")
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         require(self.external_data_threshold >= 0, "external_data_threshold", "must be >= 0")
         onnx_only = self.format == "onnx" or not (self.layout != "separate" or self.optimize)
@@ -147,10 +151,18 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
 
     out = artifacts.check_output(out, force)  # before loading anything heavy
     model, tokenizer = _load(src)
+    exporter = EXPORTERS[cfg.format]
+    from t5compress.quantize.scheme import is_qat_dir
+
+    if is_qat_dir(src):  # learned int8 scales beside the weights: Q/DQ graphs, checked against the fake-quant model
+        from t5compress.quantize.fakequant import load_fake_quant
+        from t5compress.quantize.qdq import export_qdq_dir
+
+        model, exporter = load_fake_quant(src, model), export_qdq_dir
     specs = graph_specs(model.config)
     started = time.perf_counter()
     with artifacts.staged_output(out, force) as tmp:
-        section = EXPORTERS[cfg.format](model, specs, tmp, cfg)
+        section = exporter(model, specs, tmp, cfg)
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
