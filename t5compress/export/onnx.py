@@ -62,7 +62,8 @@ def save_onnx(proto: onnx.ModelProto, path: Path, external: bool) -> list[Path]:
     return [path]
 
 
-def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int, external: bool) -> list[Path]:
+def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int, external: bool,
+                 share_tied: bool = True) -> list[Path]:
     """Trace `spec`'s wrapper of `model` and write it to `path` (the package's single `torch.onnx.export` call)."""
     import onnx
     import torch
@@ -95,7 +96,9 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _check_io(proto, spec)
-    saved = share_tied_weights(proto)  # tied embedding + LM head: one matrix on disk, not two (no-op when untied)
+    # Tied embedding + LM head: one matrix on disk, not two (no-op when untied). A QAT export keeps both: it writes
+    # each as its own int8 table (the lookup per row, the LM head per output channel).
+    saved = share_tied_weights(proto) if share_tied else 0
     if saved:
         log.info("%s: tied embedding stored once (%.1f MB less)", spec.name, saved / 1e6)
     return save_onnx(proto, path, external)
@@ -111,7 +114,7 @@ def _check_io(proto: onnx.ModelProto, spec: GraphSpec) -> None:
 
 def export_onnx(
     model: torch.nn.Module, specs: dict[str, GraphSpec], out: Path, opset: int = DEFAULT_OPSET,
-    external: bool | None = None,
+    external: bool | None = None, share_tied: bool = True,
 ) -> dict[str, list[Path]]:
     """Export every graph in `specs` to `out/<name>.onnx`; `external=None` decides from the parameter bytes."""
     if external is None:
@@ -119,7 +122,7 @@ def export_onnx(
     files = {}
     for name, spec in specs.items():
         log.info("exporting %s (opset %d%s)", name, opset, ", external data" if external else "")
-        files[name] = export_graph(model, spec, out / f"{name}{ONNX_SUFFIX}", opset, external)
+        files[name] = export_graph(model, spec, out / f"{name}{ONNX_SUFFIX}", opset, external, share_tied)
     return files
 
 

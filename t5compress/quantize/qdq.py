@@ -173,7 +173,7 @@ def export_qdq_dir(model, specs: dict, out: Path, cfg) -> dict:
         raise ConfigError(f"a QAT dir exports to ONNX Q/DQ graphs only, not {cfg.format}: use --onnx")
     external = needs_external_data(parameter_bytes(model), cfg.external_data_threshold)
     with plain_modules(model):
-        export_onnx(model, specs, out, cfg.opset, external)
+        export_onnx(model, specs, out, cfg.opset, external, share_tied=False)
     table = weight_table(model)
     rewritten = {name: quantize_file(out / f"{name}{ONNX_SUFFIX}", table, external) for name in specs}
     missing = {e.name for e in table.values()} - {n for r in rewritten.values() for n in r.pop("layers")}
