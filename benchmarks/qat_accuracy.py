@@ -97,6 +97,16 @@ def main() -> None:
         exports[name] = export.run(str(out / name), export.ExportConfig(), out / f"{name}-onnx", force=True)
         results[name] = score(out / f"{name}-onnx", rows)
         results[name]["onnx_bytes"] = onnx_bytes(out / f"{name}-onnx")
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize import run as quantize
+
+    for mode in ("static", "dynamic"):  # post-training int8 of the same fp32 export, for comparison with QAT
+        name = f"{mode}-int8"
+        calib = str(train_file) if mode == "static" else None
+        quantize(out / "fp32-onnx", QuantizeConfig(mode=mode, calib_data=calib), out / name, force=True,
+                 progress=False)
+        results[name] = score(out / name, rows)
+        results[name]["onnx_bytes"] = onnx_bytes(out / name)
     base = results["fp32"]["predictions"]
     for r in results.values():
         r["same_output_as_fp32"] = round(sum(a == b for a, b in zip(r.pop("predictions"), base, strict=True))
@@ -112,7 +122,8 @@ def main() -> None:
         "seconds": round(time.perf_counter() - t0, 1),
     }
     labels = {"fp32": f"fp32 ({args.steps} steps)", "fp32-more": f"fp32 (+{args.qat_steps} steps)",
-              "qat": f"int8 QAT (+{args.qat_steps} steps)"}
+              "qat": f"int8 QAT (+{args.qat_steps} steps)", "static-int8": f"int8 static of fp32 ({args.steps} steps)",
+              "dynamic-int8": f"int8 dynamic of fp32 ({args.steps} steps)"}
     summary["qat_calibrated_before_training"] = q["metrics"]["int8_calibrated"]
     md = ["| model (ONNX, t5compress runtime, greedy) | exact match | ROUGE-L | BLEU | same output as fp32 | "
           "ONNX MB |", "|---|---|---|---|---|---|"]
