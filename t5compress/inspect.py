@@ -107,6 +107,17 @@ def _int8_rows(report: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _shown(path: str) -> str:
+    """A recorded (absolute) path as the user would type it: relative when it lies under the current directory."""
+    import os
+
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
 def render(data: dict[str, Any], console) -> None:
     """Print the inspection as rich tables."""
     from rich.table import Table
@@ -122,7 +133,7 @@ def render(data: dict[str, Any], console) -> None:
             t.add_row(f"  {name}", _human(size))
     lin = data["lineage"]
     if lin:
-        parent = (lin.get("parent") or {}).get("path", "-")
+        parent = _shown((lin.get("parent") or {}).get("path", "-"))
         t.add_row("made by", f"{lin['stage']} at {lin['created']} from {parent}")
     else:
         t.add_row("made by", "not t5compress (no t5compress.json)")
