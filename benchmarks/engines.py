@@ -193,7 +193,7 @@ def load_ct2(path: Path, shape: Shape, threads: int) -> Runner:
     vocab = _ct2_vocab(path)
 
     def run(ids, mask, n, beams):
-        tokens = [[vocab[i] for i in row[m.astype(bool)]] for row, m in zip(ids.tolist(), mask, strict=True)]
+        tokens = [[vocab[i] for i in row[m.astype(bool)].tolist()] for row, m in zip(ids, mask, strict=True)]
         res = tr.translate_batch(tokens, beam_size=beams, num_hypotheses=1, max_decoding_length=n,
                                  min_decoding_length=n, max_batch_size=0)
         return min(len(r.hypotheses[0]) for r in res)
