@@ -7,7 +7,7 @@ that returns fewer is marked short and left out of the comparisons), warm-up cal
 call, and each engine's model files' size on disk. Engines are a registry (`engines.py`); one whose package is
 missing or whose preparation fails is skipped with a printed reason. The peers need `make bench-env`:
 
-    make bench                                                    # full grid in .venv-bench (~20-30 min, 2 cores)
+    make bench                                                    # full grid in .venv-bench (29 min at --repeats 3)
     .venv-bench/bin/python benchmarks/generate_speed.py --quick   # t5-small, 1 thread, fewer repeats
     .venv-bench/bin/python benchmarks/generate_speed.py --shapes t5-efficient-tiny --repeats 2 --engines ours
 

@@ -81,6 +81,7 @@ def markdown(rows: list[dict], shapes: dict, env: dict) -> str:
             lines += _engine_table(shape, threads, sub, shapes.get(shape, {}), n)
     lines += _targets_table(rows)
     lines += _size_table(shapes)
+    lines += _profile_table(shapes)
     skipped = {f"{s}: {e}": why for s, d in env["skipped"].items() for e, why in d.items()}
     if skipped:
         lines += ["Skipped:", ""] + [f"- {k}: {v}" for k, v in skipped.items()] + [""]
@@ -145,10 +146,37 @@ def _size_table(shapes: dict) -> list[str]:
     for shape, sizes in shapes.items():
         ours = sizes.get(OUR_FP32, {}).get("size_mb")
         for e, s in sizes.items():
-            if e == "profile":
+            if e not in ENGINES:
                 continue
             ratio = s["size_mb"] / ours if ours else None
             target = ("hit" if ratio <= SIZE_TARGET else "missed") if (
                 ratio is not None and ENGINES[e].owner == "ours" and ENGINES[e].precision == "int8") else ""
             lines.append(f"| {shape} | {e} | {s['size_mb']} | {f'{ratio:.2f}' if ratio else '–'} | {target} |")
     return lines + [""]
+
+
+def _profile_table(shapes: dict) -> list[str]:
+    """Where our runtime's time goes per generate call (--profile), 1 thread, ms."""
+    keys = ("total_ms", "encoder_ms", "first_step_ms", "with_past_ms", "with_past_ms_per_step",
+            "lm_head_ms (inside the decoder steps)", "search_and_python_ms")
+    heads = ("total", "encoder", "first decoder step", "31 with-past steps", "per with-past step",
+             "lm_head (inside the steps)", "search + Python", "top ops in with-past (% of kernel time)")
+    rows = [(shape, e, case, v) for shape, info in shapes.items() for e, cases in info.get("profile", {}).items()
+            for case, v in cases.items()]
+    if not rows:
+        return []
+    lines = ["### Where our runtime's time goes (--profile, 1 thread, ms per call)", "",
+             "| shape | engine | case | " + " | ".join(heads) + " |", "|---" * (len(heads) + 3) + "|"]
+    for shape, e, case, v in rows:
+        ops = ", ".join(f"{k} {p:g}" for k, p in v["top_ops_with_past_%"].items())
+        lines.append(f"| {shape} | {e} | {case} | " + " | ".join(f"{v[k]:g}" for k in keys) + f" | {ops} |")
+    return lines + [""]
+
+
+if __name__ == "__main__":  # re-render the Markdown from a results JSON: python benchmarks/report.py RESULTS.json
+    import sys
+
+    data = json.loads(Path(sys.argv[1]).read_text())
+    md = markdown(data["rows"], data["shapes"], data["env"])
+    Path(sys.argv[1]).with_suffix(".md").write_text(md)
+    print(md)
