@@ -3,26 +3,44 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The Triton server's own environment: nvidia-pytriton (tritonserver + python backend) pins numpy<2, and its python
+# backend stub answers with empty tensors under numpy 2, so it cannot share the project's venv (numpy 2).
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
+TRITON_REQS := triton_models/requirements.txt
 
-.PHONY: demo test test-fast lint clean bench bench-env
+.PHONY: demo test test-fast lint clean triton-env bench bench-env
 
+# onnx-neural-compressor 1.0 (quantize --tolerance) declares numpy<2, but the path we use (StaticQuantConfig,
+# its calibration and quantizer, tuning.autotune) runs under numpy 2: tests/test_tune.py runs exactly that path.
+# Installed with its dependencies it would downgrade numpy, so it goes in --no-deps, its dependencies come from
+# the `inc` extra, and `pip check` reports that one pin and nothing else (tests/test_tune.py checks it).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[peers,dev]'
+	$(BIN)/pip install -q -e '.[peers,dev,triton,inc]'
+	$(BIN)/pip install -q --no-deps 'onnx-neural-compressor==1.0'
 	touch $(STAMP)
+
+$(TRITON_STAMP): $(TRITON_REQS)
+	test -x $(TRITON_VENV)/bin/python || $(PY) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install -q --upgrade pip
+	$(TRITON_VENV)/bin/pip install -q -r $(TRITON_REQS) "nvidia-pytriton==0.7.0"
+	touch $(TRITON_STAMP)
+
+triton-env: $(TRITON_STAMP)  ## Triton server environment (~25 s, ~0.5 GB): what `t5compress serve` runs
 
 demo: $(STAMP)  ## build, fine-tune, evaluate and export a small T5 on generated data
 	$(BIN)/t5compress demo --out runs/demo --force
 
-test: $(STAMP)  ## the whole suite, slow tests included (what CI runs)
+test: $(STAMP) $(TRITON_STAMP)  ## the whole suite, slow and server tests included (what CI runs)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check t5compress tests benchmarks
+	$(BIN)/ruff check t5compress triton_models tests benchmarks
 
 # The speed benchmark's peers (CTranslate2, OpenVINO via optimum-intel) live in their own venv: optimum-intel pulls a
 # torchvision built for another torch and needs huggingface-hub<1 / datasets<4.4, which must not reach .venv.
@@ -43,4 +61,4 @@ bench: $(BENCH_STAMP)  ## every engine side by side (minutes); ARGS='--quick' fo
 	$(BENCH_VENV)/bin/python benchmarks/generate_speed.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) runs
+	rm -rf $(VENV) $(TRITON_VENV) $(BENCH_VENV) runs

@@ -74,10 +74,13 @@ def _umask() -> int:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON atomically (temporary file in the same directory, then rename)."""
+    """Write JSON atomically (temporary file in the same directory, then rename), with the umask's permissions."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes 0600; an output dir is often copied into a container and read by another user, so the file
+        # gets what open() would have given it (0666 minus the umask), like every other file in the dir.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
             f.write("\n")
@@ -138,6 +141,20 @@ def write_meta(out: Path, stage: str, config: Any, parent: str | os.PathLike | N
     }
     write_json(out / META_FILE, meta)
     return meta
+
+
+def trained_input_length(path: str | os.PathLike) -> int | None:
+    """The input length a model dir was trained with (`data.max_source_length` in its t5compress.json), if recorded.
+
+    Only a stage that trained on data records it (train, qat, recovery fine-tuning); `create` reads text for its
+    tokenizer only, so its data settings say nothing about the model.
+    """
+    meta = read_json(Path(path) / META_FILE) if Path(path).is_dir() else None
+    if not meta or meta.get("stage") == "create":
+        return None
+    data = (meta.get("config") or {}).get("data") or {}
+    value = data.get("max_source_length") if isinstance(data, dict) else None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def write_report(out: Path, report: dict) -> None:

@@ -96,11 +96,13 @@ def run(cfg: DemoConfig, out: str | Path, force: bool = False, progress: bool = 
                               metric="exact_match", seed=cfg.seed),
         )
         trained = training.run(str(out / "model-init"), ft, out / "model", progress=progress)
-        shipped = ship(out / "model", out / "onnx", out / "data" / "eval.jsonl")
+        shipped = ship(out / "model", out / "onnx", out / "data" / "eval.jsonl", int8_dir=out / "int8",
+                       calib_file=out / "data" / "train.jsonl")
         summary = {"model": trained["model"], "parameters": created["model"]["parameters"], "eval": trained["eval"],
                    "train": {k: v for k, v in trained["train"].items() if k != "history"},
                    "backends": shipped["backends"], "parity": shipped["parity"],
-                   "paths": {"data": str(out / "data"), "model": str(out / "model"), "onnx": str(out / "onnx")}}
+                   "paths": {"data": str(out / "data"), "model": str(out / "model"), "onnx": str(out / "onnx"),
+                             "int8": str(out / "int8")}}
         artifacts.write_json(out / "summary.json", summary)
         return summary
     except BaseException:
@@ -108,8 +110,10 @@ def run(cfg: DemoConfig, out: str | Path, force: bool = False, progress: bool = 
         raise
 
 
-def ship(model_dir: Path, onnx_dir: Path, eval_file: Path, latency_examples: int = 20) -> dict:
-    """Export to ONNX (verified), then score PyTorch and the ONNX Runtime runtime on the same held-out set."""
+def ship(model_dir: Path, onnx_dir: Path, eval_file: Path, int8_dir: Path, calib_file: Path,
+         latency_examples: int = 20) -> dict:
+    """Export to ONNX (verified) and quantize it to static int8 (calibrated on training texts), then score PyTorch,
+    the ONNX Runtime runtime and its int8 export on the same held-out set."""
     import statistics
     import time
 
@@ -119,13 +123,16 @@ def ship(model_dir: Path, onnx_dir: Path, eval_file: Path, latency_examples: int
     from t5compress.evaluation import generate_kwargs
     from t5compress.export import stage as export
     from t5compress.models import load_model, load_tokenizer
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize import run as quantize
     from t5compress.runtime import load_runtime
 
     report = export.run(str(model_dir), export.ExportConfig(format="onnx"), onnx_dir)
+    quantize(onnx_dir, QuantizeConfig(mode="static", calib_data=str(calib_file)), int8_dir, progress=False)
     rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
     sources, targets = [r["source"] for r in rows], [r["target"] for r in rows]
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
-    rt = load_runtime(onnx_dir, threads=1)
+    rt, rt8 = load_runtime(onnx_dir, threads=1), load_runtime(int8_dir, threads=1)
     new = 32
 
     def pytorch(texts: list[str]) -> list[str]:
@@ -137,9 +144,16 @@ def ship(model_dir: Path, onnx_dir: Path, eval_file: Path, latency_examples: int
     def onnx(texts: list[str]) -> list[str]:
         return [t.strip() for t in rt.generate_text(texts, max_new_tokens=new)]
 
+    def int8(texts: list[str]) -> list[str]:
+        return [t.strip() for t in rt8.generate_text(texts, max_new_tokens=new)]
+
+    def size(d: Path) -> float:
+        return round(sum(f.stat().st_size for f in d.iterdir() if f.suffix in (".onnx", ".safetensors")) / 1e6, 2)
+
     backends = {}
     torch.set_num_threads(1)
-    for name, fn in (("pytorch", pytorch), ("t5compress onnx", onnx)):
+    runs = (("pytorch", pytorch, model_dir), ("t5compress onnx", onnx, onnx_dir), ("t5compress int8", int8, int8_dir))
+    for name, fn, where in runs:
         preds = [p for i in range(0, len(sources), 32) for p in fn(sources[i : i + 32])]
         times = []
         for text in sources[:latency_examples]:  # batch 1, one thread: the edge-box case
@@ -147,10 +161,15 @@ def ship(model_dir: Path, onnx_dir: Path, eval_file: Path, latency_examples: int
             fn([text])
             times.append(1000 * (time.perf_counter() - t0))
         backends[name] = {**metrics.compute(preds, targets), "ms_per_example": round(statistics.median(times), 2),
-                          "predictions": preds}
-    same = sum(a == b for a, b in zip(backends["pytorch"]["predictions"], backends["t5compress onnx"]["predictions"],
-                                      strict=True))
+                          "size_mb": size(where), "predictions": preds}
+
+    def same(a: str, b: str) -> str:
+        pairs = zip(backends[a]["predictions"], backends[b]["predictions"], strict=True)
+        return f"{sum(x == y for x, y in pairs)}/{len(sources)}"
+
+    parity = {"identical_outputs": same("pytorch", "t5compress onnx"),
+              "int8_identical_outputs": same("t5compress onnx", "t5compress int8"),
+              "max_abs_diff": report["parity"]["max_abs_diff"]}
     for b in backends.values():
         del b["predictions"]
-    parity = {"identical_outputs": f"{same}/{len(sources)}", "max_abs_diff": report["parity"]["max_abs_diff"]}
     return {"backends": backends, "parity": parity}

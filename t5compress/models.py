@@ -56,6 +56,10 @@ def load_model(src: str | os.PathLike, dtype: Any = None):
 
     if is_local(src):
         check_model_dir(src)
+        from t5compress.prune.layout import has_layout, load_pruned
+
+        if has_layout(src):  # per-layer sizes after non-uniform pruning: built here, not by from_pretrained
+            return load_pruned(src, dtype)
         kwargs: dict[str, Any] = {}
     else:
         kwargs = _hub_kwargs(str(src))

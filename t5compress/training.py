@@ -7,11 +7,12 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from t5compress import artifacts
 from t5compress.artifacts import read_json, write_json
 from t5compress.config import option, require
-from t5compress.data import DataConfig, encode, load_splits
+from t5compress.data import DataConfig, Encoded, encode, load_splits
 from t5compress.errors import OutputError
 from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
 from t5compress.trainer import EvalSet, TrainConfig, fit
@@ -35,7 +36,7 @@ def workdir_of(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def _prepare_workdir(out: Path, cfg: FinetuneConfig, force: bool, resume: bool) -> Path:
+def _prepare_workdir(out: Path, cfg: Any, force: bool, resume: bool) -> Path:
     artifacts.check_output(out, force)
     work = workdir_of(out)
     saved = read_json(work / "run.json")
@@ -54,40 +55,60 @@ def _prepare_workdir(out: Path, cfg: FinetuneConfig, force: bool, resume: bool) 
     return work
 
 
-def run(
-    src: str, cfg: FinetuneConfig, out: str | Path, force: bool = False, resume: bool = False, progress: bool = True,
-    on_step=None,
-) -> dict:
-    """Fine-tune `src` (model dir or hub id) and write the best model to `out`. Returns the report."""
-    out = artifacts.check_output(out, force)
+@dataclass
+class Session:
+    """A fine-tuning run set up: the model, its tokenizer, encoded data and the work dir holding the checkpoints."""
+
+    model: Any
+    tokenizer: Any
+    train: Encoded
+    evalset: EvalSet
+    data_report: dict
+    work: Path
+    is_main: bool
+
+
+def open_session(src: str, cfg: FinetuneConfig, out: Path, force: bool, resume: bool, record: Any = None) -> Session:
+    """Load model, tokenizer and data, and prepare the work dir (`record`: the stage config it is started with)."""
     model = load_model(src)
     tokenizer = load_tokenizer(src)
     train_ex, eval_ex, data_stats = load_splits(cfg.train_data, cfg.eval_data, cfg.data)
     from accelerate import PartialState
 
     procs = PartialState()  # under `accelerate launch`, only the main process touches the work and output dirs
-    work = _prepare_workdir(out, cfg, force, resume) if procs.is_main_process else workdir_of(out)
+    work = _prepare_workdir(out, record or cfg, force, resume) if procs.is_main_process else workdir_of(out)
     procs.wait_for_everyone()
     eval_ex = eval_ex[: cfg.train.eval_max_examples]
     train_enc, eval_enc = encode(train_ex, tokenizer, cfg.data), encode(eval_ex, tokenizer, cfg.data)
     max_new = cfg.train.eval_max_new_tokens or max(len(x) for x in eval_enc.labels)
-    evalset = EvalSet(eval_ex, eval_enc, max_new)
-    summary = fit(model, tokenizer, train_enc, evalset, cfg.train, work, resume, progress=progress, on_step=on_step)
-    if not procs.is_main_process:
-        return {"stage": "train", "train": summary, "eval": None}
-    best = _load_best(model, work)
-    report = {
-        "stage": "train",
-        "model": describe(model),
-        "data": {**data_stats, "train_tokens": train_enc.stats, "eval_tokens": eval_enc.stats},
-        "train": summary,
-        "eval": best,
-    }
+    data_report = {**data_stats, "train_tokens": train_enc.stats, "eval_tokens": eval_enc.stats}
+    return Session(model, tokenizer, train_enc, EvalSet(eval_ex, eval_enc, max_new), data_report, work,
+                   procs.is_main_process)
+
+
+def fit_session(s: Session, cfg: FinetuneConfig, resume: bool, progress: bool = True, on_step=None) -> dict:
+    """Train through the shared loop; on the main process, load the best checkpoint into `s.model`."""
+    summary = fit(s.model, s.tokenizer, s.train, s.evalset, cfg.train, s.work, resume, progress=progress,
+                  on_step=on_step)
+    return {"train": summary, "eval": _load_best(s.model, s.work) if s.is_main else None}
+
+
+def run(
+    src: str, cfg: FinetuneConfig, out: str | Path, force: bool = False, resume: bool = False, progress: bool = True,
+    on_step=None,
+) -> dict:
+    """Fine-tune `src` (model dir or hub id) and write the best model to `out`. Returns the report."""
+    out = artifacts.check_output(out, force)
+    s = open_session(src, cfg, out, force, resume)
+    result = fit_session(s, cfg, resume, progress, on_step)
+    if not s.is_main:
+        return {"stage": "train", **result}
+    report = {"stage": "train", "model": describe(s.model), "data": s.data_report, **result}
     with artifacts.staged_output(out, force=True) as tmp:
-        save_model_dir(model, tokenizer, tmp)
+        save_model_dir(s.model, s.tokenizer, tmp)
         artifacts.write_meta(tmp, "train", dataclasses.asdict(cfg), parent=src)
         artifacts.write_report(tmp, report)
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(s.work, ignore_errors=True)
     return report
 
 

@@ -56,3 +56,14 @@ def demo_jsonl(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     write_jsonl(path, make_examples(240, seed=0))
     return path
+
+
+@pytest.fixture(scope="session")
+def skilled(tmp_path_factory) -> Path:
+    """The demo (data, model, ONNX and int8 exports) trained 150 steps: real but not perfect skill (about 70-90% exact
+    match on its 200 eval examples), so a quantization or pruning loss can show. Shared by the int8 test files."""
+    from t5compress import demo
+
+    out = tmp_path_factory.mktemp("skilled") / "demo"
+    demo.run(demo.DemoConfig(train_examples=2000, eval_examples=200, max_steps=150), out, progress=False)
+    return out

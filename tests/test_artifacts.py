@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 
 import pytest
 
@@ -48,3 +50,19 @@ def test_outputs_get_normal_directory_permissions(tmp_path):
     with artifacts.staged_output(tmp_path / "o") as tmp:
         (tmp / "f").write_text("x")
     assert (tmp_path / "o").stat().st_mode & 0o755 == 0o755
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_write_json_and_meta_get_the_umask_permissions_not_mkstemps_0600(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        with artifacts.staged_output(tmp_path / "o") as tmp:
+            artifacts.write_json(tmp / "graphs.json", {"a": 1})
+            artifacts.write_report(tmp, {"stage": "x"})
+            artifacts.write_meta(tmp, "x", {}, parent=None)
+            (tmp / "plain.txt").write_text("x")  # what open() gives: the reference
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "o").iterdir()}
+    assert modes == dict.fromkeys(["graphs.json", "report.json", "t5compress.json", "plain.txt"], 0o666 & ~umask)
+    assert stat.S_IMODE((tmp_path / "o").stat().st_mode) == 0o777 & ~umask

@@ -21,16 +21,6 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def skilled(tmp_path_factory) -> Path:
-    """The demo model trained to real but not perfect skill (about 80-90% exact match), exported to ONNX."""
-    from t5compress import demo
-
-    out = tmp_path_factory.mktemp("skilled") / "demo"
-    demo.run(demo.DemoConfig(train_examples=2000, eval_examples=200, max_steps=150), out, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def static_dir(skilled, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("q") / "static"
     run(skilled / "onnx", QuantizeConfig(calib_data=str(skilled / "data" / "train.jsonl"),

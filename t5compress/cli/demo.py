@@ -21,7 +21,7 @@ def demo(
     seed: Annotated[int, typer.Option(help=_h(C, "seed"))] = _d(C, "seed"),
     force: Force = False,
 ) -> None:
-    """Build a small T5, fine-tune it on generated data, export it to ONNX (verified) and score both backends."""
+    """Build a small T5, fine-tune it on generated data, export it to ONNX (verified) and int8, and score each."""
     from rich.table import Table
 
     from t5compress import demo as stage
@@ -31,13 +31,16 @@ def demo(
     n_eval = (summary["eval"] or {}).get("examples", "?")
     t = Table(title=f"demo: {summary['parameters']:,}-parameter T5, {tr['steps']} fine-tuning steps in "
               f"{tr['seconds']} s, scored on {n_eval} held-out examples", title_justify="left")
-    for col in ("backend", "exact_match", "rougeL", "bleu", "ms/example"):
+    for col in ("backend", "exact_match", "rougeL", "bleu", "ms/example", "MB"):
         t.add_column(col, justify="right")
     for name, b in summary["backends"].items():
-        t.add_row(name, str(b["exact_match"]), str(b["rougeL"]), str(b["bleu"]), str(b["ms_per_example"]))
+        t.add_row(name, str(b["exact_match"]), str(b["rougeL"]), str(b["bleu"]), str(b["ms_per_example"]),
+                  str(b["size_mb"]))
     console.print(t)
-    console.print(f"ms/example: median, batch 1, 1 thread. ONNX vs PyTorch: {summary['parity']['identical_outputs']} "
-                  "identical outputs", highlight=False)
+    parity = summary["parity"]
+    console.print(f"ms/example: median, batch 1, 1 thread. Identical outputs: ONNX vs PyTorch "
+                  f"{parity['identical_outputs']}, int8 vs ONNX fp32 {parity['int8_identical_outputs']}",
+                  highlight=False)
     for s in ((summary["eval"] or {}).get("samples") or [])[:3]:
         console.print(f"  {s['source']!r} → {s['prediction']!r}", highlight=False)
     for k, v in summary["paths"].items():

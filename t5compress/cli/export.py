@@ -18,11 +18,14 @@ def export(
     out: OutDir,
     onnx: Annotated[bool, typer.Option("--onnx", help="Write ONNX graphs (the default).")] = False,
     torchscript: Annotated[bool, typer.Option("--torchscript", help="Write TorchScript graphs (.pt).")] = False,
+    decoders: Annotated[str, typer.Option(help=_h(E, "decoders"))] = _d(E, "decoders"),
     merged: Annotated[bool, typer.Option("--merged", help=_h(E, "merged"))] = False,
     optimize: Annotated[bool, typer.Option("--optimize", help=_h(E, "optimize"))] = False,
     optimize_level: Annotated[str, typer.Option(help=_h(E, "optimize_level"))] = _d(E, "optimize_level"),
     opset: Annotated[int, typer.Option(help=_h(E, "opset"))] = _d(E, "opset"),
     atol: Annotated[float, typer.Option(help=_h(E, "atol"))] = _d(E, "atol"),
+    rtol: Annotated[float, typer.Option(help=_h(E, "rtol"))] = _d(E, "rtol"),
+    int8_rtol: Annotated[float, typer.Option(help=_h(E, "int8_rtol"))] = _d(E, "int8_rtol"),
     max_new_tokens: Annotated[int, typer.Option(help=_h(E, "max_new_tokens"))] = _d(E, "max_new_tokens"),
     force: Force = False,
 ) -> None:
@@ -32,13 +35,31 @@ def export(
     if onnx and torchscript:
         fail("choose one of --onnx and --torchscript")
     cfg = E(
-        format="torchscript" if torchscript else "onnx", opset=opset, merged=merged, optimize=optimize,
-        optimize_level=optimize_level, atol=atol, max_new_tokens=max_new_tokens,
+        format="torchscript" if torchscript else "onnx", opset=opset, decoders=decoders, merged=merged,
+        optimize=optimize, optimize_level=optimize_level, atol=atol, rtol=rtol, int8_rtol=int8_rtol,
+        max_new_tokens=max_new_tokens,
     )
     report = run(model, cfg, out, force=force)
     parity = report["parity"]
+    if "int8" in report:  # a QAT dir: int8 Q/DQ graphs, checked against the fake-quantized model
+        print_int8_parity(report, out)
+        return
     diffs = ", ".join(f"{name} {d:.2e}" for name, d in parity["max_abs_diff"].items())
     gen = parity["generation"]
-    console.print(f"exported {cfg.format} graphs to [bold]{out}[/bold]")
-    console.print(f"max |export - PyTorch| (logits, cache): {diffs} (atol {parity['atol']:g})", highlight=False)
+    console.print(f"exported {cfg.format} graphs to [bold]{out}[/bold]: {', '.join(report['graphs'])}")
+    console.print(f"max |export - PyTorch| (logits, cache): {diffs}", highlight=False)
+    console.print(f"tolerance per tensor: atol {parity['atol']:g} + rtol {parity['rtol']:g} x max|PyTorch tensor|; "
+                  f"worst use of it: {max(w['ratio'] for w in parity['worst'].values()):.0%}", highlight=False)
     console.print(f"greedy tokens identical to model.generate ({gen['max_new_tokens']} new, batch {gen['batch']})")
+
+
+def print_int8_parity(report: dict, out) -> None:
+    parity, kernels = report["parity"], report["int8"]["ort_kernels"]
+    rel = ", ".join(f"{name} {d:.2e}" for name, d in parity["max_rel_diff"].items())
+    agree = parity["token_agreement"]
+    fused = sum(n for k in kernels.values() for op, n in k.items() if op != "MatMul" and "Quantize" not in op)
+    console.print(f"exported int8 Q/DQ ONNX graphs (learned QAT scales) to [bold]{out}[/bold]")
+    console.print(f"max |export - fake-quant PyTorch| / logits scale: {rel} (rtol {parity['rtol']:g})",
+                  highlight=False)
+    console.print(f"greedy token agreement {agree['agreement']:.1%} ({agree['identical_rows']}/{agree['rows']} rows "
+                  f"identical); ONNX Runtime int8 kernels: {fused}", highlight=False)

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Threads, command, fail, stdin_is_piped
+from t5compress.cli.common import Threads, command, err_console, fail, stdin_is_piped
 from t5compress.errors import DataError
 
 DEFAULT_FIELDS = ("source", "text")  # tried in order when --field is not given
@@ -35,6 +35,12 @@ EarlyStopping = Annotated[
 NoRepeat = Annotated[int | None, Opt(min=0, help="Never repeat an n-gram of this size (0: off).")]
 RepetitionPenalty = Annotated[float | None, Opt(help="Penalise already generated tokens (1: off).")]
 BatchSize = Annotated[int, Opt(min=1, help="Inputs per batch (similar lengths are batched together).")]
+MaxInput = Annotated[int | None, Opt(
+    min=0, help="Longest input in tokens; longer ones are truncated (kept: the first N-1 tokens and </s>) and reported"
+    " on stderr. Default: the export dir's tokenizer model_max_length (the length the model was trained with when"
+    " the export recorded it). 0: no limit.")]
+Decoders = Annotated[str, Opt(help="ONNX decoder graphs to run: auto (separate when present, else merged), separate"
+                              " or merged.")]
 
 
 @command
@@ -53,6 +59,8 @@ def generate(
     no_repeat_ngram_size: NoRepeat = None,
     repetition_penalty: RepetitionPenalty = None,
     batch_size: BatchSize = 16,
+    max_input_tokens: MaxInput = None,
+    decoders: Decoders = "auto",
     threads: Threads = 1,
 ) -> None:
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
@@ -61,25 +69,35 @@ def generate(
     inputs = _collect_inputs(texts or [], input_file, field)
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
-    rt = load_runtime(path, threads=threads)
+    rt = load_runtime(path, threads=threads, decoders=decoders)
+    if max_input_tokens is not None:
+        rt.max_input_tokens = max_input_tokens or None
     gen = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                length_penalty=length_penalty, early_stopping=early_stopping,
                no_repeat_ngram_size=no_repeat_ngram_size, repetition_penalty=repetition_penalty)
     rt.settings(**gen)  # reject bad settings before any work
-    outputs = _generate_batched(rt, [prefix + t for t in inputs], batch_size, gen)
-    for text, out in zip(inputs, outputs, strict=True):
-        typer.echo(json.dumps({"input": text, "output": out}, ensure_ascii=False) if jsonl else _one_line(out))
+    results = _generate_batched(rt, [prefix + t for t in inputs], batch_size, gen)
+    for number, (text, r) in enumerate(zip(inputs, results, strict=True), 1):
+        if r.truncated:
+            err_console.print(f"[yellow]warning:[/yellow] input {number} truncated from {r.input_tokens} to "
+                              f"{rt.max_input_tokens} tokens (--max-input-tokens)", highlight=False)
+        out = r.outputs[0]
+        if jsonl:
+            record = {"input": text, "output": out, "input_tokens": r.input_tokens, "truncated": r.truncated}
+            typer.echo(json.dumps(record, ensure_ascii=False))
+        else:
+            typer.echo(_one_line(out))
 
 
-def _generate_batched(rt, texts: list[str], batch_size: int, gen: dict) -> list[str]:
-    """Batches of similar length (less padding), outputs returned in input order."""
+def _generate_batched(rt, texts: list[str], batch_size: int, gen: dict) -> list:
+    """Batches of similar length (less padding); `TextResult`s returned in input order."""
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    outputs: list[str] = [""] * len(texts)
+    results: list = [None] * len(texts)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        for i, out in zip(idx, rt.generate_text([texts[i] for i in idx], **gen), strict=True):
-            outputs[i] = out
-    return outputs
+        for i, r in zip(idx, rt.generate_results([texts[i] for i in idx], **gen), strict=True):
+            results[i] = r
+    return results
 
 
 def _one_line(text: str) -> str:

@@ -35,6 +35,7 @@ def quantize(
     max_new_tokens: Annotated[int, typer.Option(help=_h(Q, "max_new_tokens"))] = _d(Q, "max_new_tokens"),
     batch_size: Annotated[int, typer.Option(help=_h(Q, "batch_size"))] = _d(Q, "batch_size"),
     min_agreement: Annotated[float, typer.Option(help=_h(Q, "min_agreement"))] = _d(Q, "min_agreement"),
+    tolerance: Annotated[float | None, typer.Option(help=_h(Q, "tolerance"))] = None,
     threads: Threads = _d(Q, "threads"),
     force: Force = False,
 ) -> None:
@@ -49,6 +50,7 @@ def quantize(
         op_types=tuple(t.strip() for t in op_types.split(",") if t.strip()), embeddings=embeddings,
         keep_fp32=keep_fp32, smooth_alpha=smooth_alpha, eval_data=eval_data, eval_max=eval_max,
         max_new_tokens=max_new_tokens, batch_size=batch_size, min_agreement=min_agreement, threads=threads,
+        tolerance=tolerance,
     )
     report = run(export_dir, cfg, out, force=force)
     print_report(report, console)
@@ -71,8 +73,13 @@ def print_report(report: dict, con) -> None:
             t.add_row(f"{k} ({ev['examples']} eval)", str(ev["fp32"][k]), str(ev["int8"][k]))
     con.print(t)
     con.print(f"vs fp32 on {check['texts']} {check['on']}: next token {check['next_token_agreement']:.2%}, "
-              f"greedy outputs {check['greedy_agreement']:.2%} identical, max logit error "
-              f"{check['max_rel_logit_error']:.3f} of the logit range", highlight=False)
+              f"greedy outputs {check['greedy_agreement']:.2%} identical; logit error "
+              f"{check['mean_rel_logit_error']:.3f} of the logit range on average, "
+              f"{check['max_rel_logit_error']:.3f} at worst", highlight=False)
+    tuned = report["graphs"].get("tuning")
+    if tuned:
+        con.print(f"tuned by onnx-neural-compressor: {len(tuned['trials'])} trial(s), {tuned['metric']} "
+                  f"{tuned['int8']:g} vs fp32 {tuned['fp32']:g} (goal {tuned['goal']:g})", highlight=False)
     kept = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("kept_fp32", [])})
     if kept:
         con.print(f"kept fp32: {len(kept)} node(s), e.g. {kept[0]}", highlight=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 from typing import Annotated
 
@@ -48,45 +50,57 @@ def create(
                   f"vocabulary {m['vocab_size']} → [bold]{out}[/bold]")
 
 
+def _option(name: str, cls: type) -> inspect.Parameter:
+    """A keyword option named after config field `name` of `cls`, with its help text and default."""
+    default = _d(cls, name)
+    kind = type(default) if default is not None else str | None
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[kind, typer.Option(help=_h(cls, name))])
+
+
+# The data and training options of `train`, declared once; `qat` (and later recovery training) take the same.
+DATA_OPTIONS = [
+    inspect.Parameter("eval_data", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        str | None, typer.Option("--eval", help="Held-out data (default: split off DATA).")]),
+    *(_option(n, D) for n in ("source_field", "target_field", "prefix", "max_source_length", "max_target_length",
+                              "eval_fraction", "hf_split", "hf_eval_split", "hf_config")),
+]
+TRAIN_OPTIONS = [_option(f.name, T) for f in dataclasses.fields(T)]
+RUN_OPTIONS = [
+    inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted run from its checkpoint.")]),
+    inspect.Parameter("force", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Force),
+]
+
+
+def with_options(*groups: list[inspect.Parameter]):
+    """Give a command the shared options (Typer reads the signature); the function receives them as **opts."""
+
+    def deco(fn):
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        fn.__signature__ = sig.replace(parameters=[*own, *(p for g in groups for p in g)])
+        return fn
+
+    return deco
+
+
+def finetune_config(data: str, opts: dict):
+    """The FinetuneConfig of a command's DATA argument and its shared options (pops them from `opts`)."""
+    from t5compress.training import FinetuneConfig
+
+    def take(cls):
+        return cls(**{f.name: opts.pop(f.name) for f in dataclasses.fields(cls) if f.name in opts})
+
+    return FinetuneConfig(train_data=data, eval_data=opts.pop("eval_data", None), data=take(D), train=take(T))
+
+
+TrainData = Annotated[str, typer.Argument(help="Training data: .jsonl, .csv, .tsv, a datasets dir or dataset name.")]
+
+
 @command
-def train(
-    model: ModelDir,
-    data: Annotated[str, typer.Argument(help="Training data: .jsonl, .csv, .tsv, a datasets dir or dataset name.")],
-    out: OutDir,
-    eval_data: Annotated[str | None, typer.Option("--eval", help="Held-out data (default: split off DATA).")] = None,
-    source_field: SourceField = _d(D, "source_field"),
-    target_field: TargetField = _d(D, "target_field"),
-    prefix: Prefix = _d(D, "prefix"),
-    max_source_length: Annotated[int, typer.Option(help=_h(D, "max_source_length"))] = _d(D, "max_source_length"),
-    max_target_length: Annotated[int, typer.Option(help=_h(D, "max_target_length"))] = _d(D, "max_target_length"),
-    eval_fraction: Annotated[float, typer.Option(help=_h(D, "eval_fraction"))] = _d(D, "eval_fraction"),
-    hf_split: Annotated[str, typer.Option(help=_h(D, "hf_split"))] = _d(D, "hf_split"),
-    hf_eval_split: Annotated[str | None, typer.Option(help=_h(D, "hf_eval_split"))] = _d(D, "hf_eval_split"),
-    hf_config: Annotated[str | None, typer.Option(help=_h(D, "hf_config"))] = _d(D, "hf_config"),
-    max_steps: Annotated[int, typer.Option(help=_h(T, "max_steps"))] = _d(T, "max_steps"),
-    epochs: Annotated[int, typer.Option(help=_h(T, "epochs"))] = _d(T, "epochs"),
-    batch_size: Annotated[int, typer.Option(help=_h(T, "batch_size"))] = _d(T, "batch_size"),
-    grad_accum: Annotated[int, typer.Option(help=_h(T, "grad_accum"))] = _d(T, "grad_accum"),
-    optimizer: Annotated[str, typer.Option(help=_h(T, "optimizer"))] = _d(T, "optimizer"),
-    lr: Annotated[float, typer.Option(help=_h(T, "lr"))] = _d(T, "lr"),
-    weight_decay: Annotated[float, typer.Option(help=_h(T, "weight_decay"))] = _d(T, "weight_decay"),
-    schedule: Annotated[str, typer.Option(help=_h(T, "schedule"))] = _d(T, "schedule"),
-    warmup_steps: Annotated[int, typer.Option(help=_h(T, "warmup_steps"))] = _d(T, "warmup_steps"),
-    label_smoothing: Annotated[float, typer.Option(help=_h(T, "label_smoothing"))] = _d(T, "label_smoothing"),
-    max_grad_norm: Annotated[float, typer.Option(help=_h(T, "max_grad_norm"))] = _d(T, "max_grad_norm"),
-    precision: Annotated[str, typer.Option(help=_h(T, "precision"))] = _d(T, "precision"),
-    eval_every: Annotated[int, typer.Option(help=_h(T, "eval_every"))] = _d(T, "eval_every"),
-    eval_max_examples: Annotated[int, typer.Option(help=_h(T, "eval_max_examples"))] = _d(T, "eval_max_examples"),
-    eval_batch_size: Annotated[int, typer.Option(help=_h(T, "eval_batch_size"))] = _d(T, "eval_batch_size"),
-    eval_num_beams: Annotated[int, typer.Option(help=_h(T, "eval_num_beams"))] = _d(T, "eval_num_beams"),
-    metric: Annotated[str, typer.Option(help=_h(T, "metric"))] = _d(T, "metric"),
-    patience: Annotated[int, typer.Option(help=_h(T, "patience"))] = _d(T, "patience"),
-    save_every: Annotated[int, typer.Option(help=_h(T, "save_every"))] = _d(T, "save_every"),
-    bucket: Annotated[bool, typer.Option(help=_h(T, "bucket"))] = _d(T, "bucket"),
-    seed: Annotated[int, typer.Option(help=_h(T, "seed"))] = _d(T, "seed"),
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its checkpoint.")] = False,
-    force: Force = False,
-) -> None:
+@with_options(DATA_OPTIONS, TRAIN_OPTIONS, RUN_OPTIONS)
+def train(model: ModelDir, data: TrainData, out: OutDir, **opts) -> None:
     """Fine-tune a T5-family checkpoint (local directory or hub id) on text-to-text data.
 
     Checkpoints of an unfinished run are kept in OUT.partial/; after a crash or kill, rerun the same command with
@@ -94,19 +108,8 @@ def train(
     """
     from t5compress import training
 
-    data_cfg = D(
-        source_field=source_field, target_field=target_field, prefix=prefix, max_source_length=max_source_length,
-        max_target_length=max_target_length, eval_fraction=eval_fraction, hf_split=hf_split,
-        hf_eval_split=hf_eval_split, hf_config=hf_config,
-    )
-    train_cfg = T(
-        max_steps=max_steps, epochs=epochs, batch_size=batch_size, grad_accum=grad_accum, optimizer=optimizer, lr=lr,
-        weight_decay=weight_decay, schedule=schedule, warmup_steps=warmup_steps, label_smoothing=label_smoothing,
-        max_grad_norm=max_grad_norm, precision=precision, eval_every=eval_every, eval_max_examples=eval_max_examples,
-        eval_batch_size=eval_batch_size, eval_num_beams=eval_num_beams, metric=metric, patience=patience,
-        save_every=save_every, bucket=bucket, seed=seed,
-    )
-    cfg = training.FinetuneConfig(train_data=data, eval_data=eval_data, data=data_cfg, train=train_cfg)
+    resume, force = opts.pop("resume"), opts.pop("force")
+    cfg = finetune_config(data, opts)
     report = training.run(model, cfg, Path(out), force=force, resume=resume)
     if report["eval"] is not None:  # None on the non-main processes of a multi-GPU run
         print_train_summary(report, out)

@@ -167,10 +167,14 @@ def _mask(batch: int, length: int) -> torch.Tensor:
 
 
 def _cache(config, s: DummySizes) -> list[torch.Tensor]:
-    self_shape = (s.batch, config.num_heads, s.past_len, config.d_kv)
-    cross_shape = (s.batch, config.num_heads, s.enc_len, config.d_kv)
+    from t5compress.prune.layout import decoder_heads  # per-layer head counts of a non-uniformly pruned model
+
+    shapes = []
+    for self_heads, cross_heads in decoder_heads(config):
+        self_shape = (s.batch, self_heads, s.past_len, config.d_kv)
+        cross_shape = (s.batch, cross_heads, s.enc_len, config.d_kv)
+        shapes += [self_shape, self_shape, cross_shape, cross_shape]
     g = torch.Generator().manual_seed(1)
-    shapes = [self_shape, self_shape, cross_shape, cross_shape] * config.num_decoder_layers
     return [torch.randn(shape, generator=g) for shape in shapes]
 
 

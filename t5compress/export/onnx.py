@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from t5compress.errors import ExportError, first_line
-from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX
+from t5compress.export.tied import share_tied_weights
+from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX, USE_CACHE_BRANCH
 
 if TYPE_CHECKING:
     import onnx
@@ -28,10 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 17
-# A protobuf cannot exceed 2 GiB; a decoder graph can hold the embedding twice (gather + transposed lm head), so
-# the decision is made well below the limit.
+# A protobuf cannot exceed 2 GiB; the exporter's scratch decoder graph holds a tied embedding twice (gather +
+# transposed lm head) before `share_tied_weights` removes one, so the decision is made well below the limit.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
-USE_CACHE_BRANCH = "use_cache_branch"
 OPT_LEVELS = ("basic", "extended")
 
 
@@ -95,6 +95,9 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _check_io(proto, spec)
+    saved = share_tied_weights(proto)  # tied embedding + LM head: one matrix on disk, not two (no-op when untied)
+    if saved:
+        log.info("%s: tied embedding stored once (%.1f MB less)", spec.name, saved / 1e6)
     return save_onnx(proto, path, external)
 
 
@@ -128,8 +131,10 @@ def merge_decoders(no_past: onnx.ModelProto, with_past: onnx.ModelProto) -> onnx
     """Join the two decoder graphs under an If node on `use_cache_branch`, sharing identical initializers.
 
     Inputs: the first-step inputs, then every past_key_values tensor, then `use_cache_branch` (bool, shape (1,)).
-    Outputs: the first-step decoder's (logits and the full cache); the with-past branch passes the cross-attention
-    cache it was given straight through. The first step is run with zero-length past tensors.
+    Outputs: the first-step decoder's (logits and the full cache). The with-past branch returns the cross-attention
+    outputs empty (zero-length on the sequence axis): the cache does not change after the first step and the caller
+    keeps it, so copying it out every step would be waste (optimum's merged decoder returns empty constants there
+    too). The first step is run with zero-length past tensors.
     """
     from onnx import TensorProto, helper
 
@@ -183,10 +188,17 @@ def _branch(graph: onnx.GraphProto, prefix: str, outputs: list[str], shared: dic
     for name in outputs:
         if name in produced:
             vi = _renamed(produced[name], rename[name])
-        else:  # with-past branch: the cross-attention cache does not change after the first step
+        else:  # with-past branch: the cross-attention cache does not change after the first step; none is returned
             source = name.replace("present.", "past_key_values.", 1)
-            nodes.append(helper.make_node("Identity", [source], [prefix + name], name=f"{prefix}{name}/identity"))
+            if not any(n.name == f"{prefix}empty/axes" for n in nodes):
+                nodes += [helper.make_node("Constant", [], [f"{prefix}empty/{k}"], name=f"{prefix}empty/{k}",
+                                           value=helper.make_tensor(k, onnx.TensorProto.INT64, [1], [v]))
+                          for k, v in (("start", 0), ("axes", 2))]
+            empty = [source, f"{prefix}empty/start", f"{prefix}empty/start", f"{prefix}empty/axes"]
+            nodes.append(helper.make_node("Slice", empty, [prefix + name], name=f"{prefix}{name}/empty"))
             vi = _renamed(next(i for i in graph.input if i.name == source), prefix + name)
+            vi.type.tensor_type.shape.dim[2].Clear()
+            vi.type.tensor_type.shape.dim[2].dim_value = 0  # (batch, heads, 0, d_kv)
         branch_out.append(vi)
     local = {x for n in graph.node for x in n.output}
     infos = [_renamed(v, rename[v.name]) for v in graph.value_info if v.name in local]
@@ -225,6 +237,13 @@ def _loosen(a: onnx.ValueInfoProto, b: onnx.ValueInfoProto) -> onnx.ValueInfoPro
         if da.dim_param != db.dim_param or da.dim_value != db.dim_value:
             da.Clear()
     return out
+
+
+def remove_graph(out: Path, name: str) -> None:
+    """Delete `out/<name>.onnx` and its external data file, if any."""
+    path = out / f"{name}{ONNX_SUFFIX}"
+    for f in (path, path.with_name(data_file(path))):
+        f.unlink(missing_ok=True)
 
 
 def write_merged(out: Path, external: bool) -> list[Path]:

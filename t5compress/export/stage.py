@@ -4,7 +4,10 @@
 
 An export dir uses Hugging Face optimum's seq2seq file and tensor names, so `ORTModelForSeq2SeqLM` loads it
 unchanged; `graphs.json` lists each graph's input and output names in positional order. Nothing is written unless
-every graph matches PyTorch within `atol` and greedy decoding over the graphs reproduces `model.generate`.
+every graph matches PyTorch within `atol + rtol * max|tensor|` and greedy decoding over the graphs reproduces
+`model.generate`. `decoders` chooses optimum's two decoder graphs, the merged decoder alone (weights once), or both.
+The tokenizer's `model_max_length` becomes the input length the model was trained with, when the source records it:
+the runtime truncates longer inputs to it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from t5compress import artifacts
 from t5compress.config import choose, option, require
 from t5compress.errors import ModelError
 from t5compress.export.onnx import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD, OPT_LEVELS, USE_CACHE_BRANCH
-from t5compress.names import DECODER, DECODER_MERGED, MANIFEST_FILE, ONNX_SUFFIX, past_names
+from t5compress.names import (
+    DECODER,
+    DECODER_MERGED,
+    DECODER_WITH_PAST,
+    ENCODER,
+    GRAPHS,
+    MANIFEST_FILE,
+    ONNX_SUFFIX,
+    past_names,
+)
 
 if TYPE_CHECKING:
     from t5compress.export.graphs import GraphSpec
@@ -30,15 +42,35 @@ log = logging.getLogger(__name__)
 
 
 
+# Graph files per decoder layout: optimum's two decoders, the merged one alone, or all three.
+DECODER_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "separate": GRAPHS,
+    "merged": (ENCODER, DECODER_MERGED),
+    "both": (*GRAPHS, DECODER_MERGED),
+}
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     format: str = option("onnx", help="Graph format: onnx or torchscript.")
     opset: int = option(DEFAULT_OPSET, help="ONNX opset version (14 or later; 17 is tested).")
-    merged: bool = option(False, help="Also write decoder_model_merged.onnx (one decoder, If on use_cache_branch).")
+    decoders: str = option(
+        "separate",
+        help="Decoder graphs (ONNX): separate (decoder_model + decoder_with_past_model, what optimum loads), merged"
+        " (decoder_model_merged alone: one graph switching on use_cache_branch, decoder weights on disk and in memory"
+        " once), or both.",
+    )
+    merged: bool = option(False, help="Also write decoder_model_merged.onnx (the same as decoders='both').")
     optimize: bool = option(False, help="Replace the ONNX graphs by ONNX Runtime's offline-optimised ones (CPU).")
     optimize_level: str = option("extended", help="ONNX Runtime optimisation level: basic or extended.")
-    atol: float = option(1e-4, help="Largest absolute difference to PyTorch accepted in logits and cache outputs.")
+    atol: float = option(1e-4, help="Absolute part of the parity tolerance: each output tensor (logits, cache) must be"
+                         " within atol + rtol * max|PyTorch tensor| of PyTorch.")
+    rtol: float = option(1e-5, help="Relative part of the parity tolerance, times the tensor's largest magnitude (fp32"
+                         " rounding grows with the values: Flan-T5 logits reach ~100).")
     max_new_tokens: int = option(8, help="Tokens generated in the greedy check against model.generate.")
+    int8_rtol: float = option(
+        0.1, help="QAT dirs (int8 graphs): largest difference to the fake-quant model, relative to the logits' scale."
+    )
     external_data_threshold: int = option(
         EXTERNAL_DATA_THRESHOLD, help="Parameter bytes above which ONNX weights are saved as external data files."
     )
@@ -47,32 +79,55 @@ class ExportConfig:
         choose(EXPORTERS, self.format, "export format")
         require(self.opset >= 14, "opset", f"must be 14 or later (T5's causal mask needs Trilu), got {self.opset}")
         require(self.optimize_level in OPT_LEVELS, "optimize_level", f"choose one of {', '.join(OPT_LEVELS)}")
+        require(self.decoders in DECODER_LAYOUTS, "decoders", f"choose one of {', '.join(DECODER_LAYOUTS)}")
         require(self.atol >= 0 and self.atol == self.atol, "atol", f"must be a number >= 0, got {self.atol}")
+        require(self.rtol >= 0 and self.rtol == self.rtol, "rtol", f"must be a number >= 0, got {self.rtol}")
+        require(self.int8_rtol > 0, "int8_rtol", f"must be > 0, got {self.int8_rtol}")
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         require(self.external_data_threshold >= 0, "external_data_threshold", "must be >= 0")
-        onnx_only = self.format == "onnx" or not (self.merged or self.optimize)
-        require(onnx_only, "format", "--merged and --optimize apply to ONNX exports only")
+        onnx_only = self.format == "onnx" or not (self.layout != "separate" or self.optimize)
+        require(onnx_only, "format", "--merged, --decoders and --optimize apply to ONNX exports only")
+
+    @property
+    def layout(self) -> str:
+        """The decoder layout written: `decoders`, with the older `merged=True` meaning 'both'."""
+        return "both" if self.merged and self.decoders == "separate" else self.decoders
+
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        """The graph file stems the export dir holds."""
+        return DECODER_LAYOUTS[self.layout]
 
 
 def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportConfig) -> dict:
     """Write and verify the ONNX graphs (merged and optimised on request); returns the report section."""
-    from t5compress.export.onnx import export_onnx, needs_external_data, optimize_onnx, parameter_bytes, write_merged
+    from t5compress.export.onnx import (
+        export_onnx,
+        needs_external_data,
+        optimize_onnx,
+        parameter_bytes,
+        remove_graph,
+        write_merged,
+    )
     from t5compress.export.verify import open_onnx, verify
 
     external = needs_external_data(parameter_bytes(model), cfg.external_data_threshold)
     export_onnx(model, specs, out, cfg.opset, external)
-    names = list(specs)
-    if cfg.merged:
+    if DECODER_MERGED in cfg.graphs:
         write_merged(out, external)
-        names.append(DECODER_MERGED)
-    section: dict = {"opset": cfg.opset, "external_data": external, "graphs": names}
-    section["parity"] = verify(model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, "ONNX export")
+    for name in (DECODER, DECODER_WITH_PAST):
+        if name not in cfg.graphs:  # merged alone: the two decoders were only its parts
+            remove_graph(out, name)
+    names = list(cfg.graphs)
+    section: dict = {"opset": cfg.opset, "external_data": external, "decoders": cfg.layout, "graphs": names}
+    section["parity"] = verify(model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, "ONNX export", cfg.rtol)
     if cfg.optimize:
         for name in names:
             optimize_onnx(out / f"{name}{ONNX_SUFFIX}", cfg.optimize_level, external)
         section["parity_unoptimized"] = section["parity"]
         section["parity"] = verify(
-            model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, f"ONNX export optimised ({cfg.optimize_level})"
+            model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens,
+            f"ONNX export optimised ({cfg.optimize_level})", cfg.rtol,
         )
     return section
 
@@ -83,7 +138,7 @@ def export_torchscript_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: E
     from t5compress.export.verify import open_torchscript, verify
 
     export_torchscript(model, specs, out)
-    parity = verify(model, open_torchscript(out, specs), cfg.atol, cfg.max_new_tokens, "TorchScript export")
+    parity = verify(model, open_torchscript(out, specs), cfg.atol, cfg.max_new_tokens, "TorchScript export", cfg.rtol)
     return {"graphs": list(specs), "parity": parity}
 
 
@@ -96,15 +151,24 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
 
     out = artifacts.check_output(out, force)  # before loading anything heavy
     model, tokenizer = _load(src)
+    exporter = EXPORTERS[cfg.format]
+    from t5compress.quantize.scheme import is_qat_dir
+
+    if is_qat_dir(src):  # learned int8 scales beside the weights: Q/DQ graphs, checked against the fake-quant model
+        from t5compress.quantize.fakequant import load_fake_quant
+        from t5compress.quantize.qdq import export_qdq_dir
+
+        model, exporter = load_fake_quant(src, model), export_qdq_dir
     specs = graph_specs(model.config)
     started = time.perf_counter()
     with artifacts.staged_output(out, force) as tmp:
-        section = EXPORTERS[cfg.format](model, specs, tmp, cfg)
+        section = exporter(model, specs, tmp, cfg)
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        graphs = manifest(specs)
-        if cfg.merged:
+        limits = _record_input_limit(src, tmp)
+        graphs = {name: io for name, io in manifest(specs).items() if name in cfg.graphs}
+        if DECODER_MERGED in cfg.graphs:
             graphs[DECODER_MERGED] = _merged_io(specs)
         artifacts.write_json(tmp / MANIFEST_FILE, graphs)
         from t5compress.models import describe
@@ -114,6 +178,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
             "format": cfg.format,
             **section,
             "model": describe(model),
+            "max_input_tokens": limits,
             "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
             "seconds": round(time.perf_counter() - started, 2),
         }
@@ -128,13 +193,31 @@ def _load(src: str | os.PathLike):
     import torch
 
     from t5compress.models import check_model_dir, is_local, load_model, load_tokenizer
+    from t5compress.runtime.text import BYTE_TOKENIZERS
 
     if is_local(src):
         check_model_dir(src)  # a non-T5 or weightless dir is named as such, not as a tokenizer problem
     tokenizer = load_tokenizer(src)  # cheap, and fails early for a dir without tokenizer files
-    if not getattr(tokenizer, "is_fast", False):
-        raise ModelError(f"the tokenizer of {str(src)!r} has no fast version: an export needs a tokenizer.json")
+    if not getattr(tokenizer, "is_fast", False) and type(tokenizer).__name__ not in BYTE_TOKENIZERS:
+        raise ModelError(
+            f"the tokenizer of {str(src)!r} ({type(tokenizer).__name__}) has no fast version: an export needs a "
+            f"tokenizer.json, or a byte-level tokenizer ({', '.join(BYTE_TOKENIZERS)}) that the runtime provides"
+        )
     return load_model(src, dtype=torch.float32), tokenizer
+
+
+def _record_input_limit(src: str | os.PathLike, out: Path) -> dict:
+    """Make the export's tokenizer_config.json `model_max_length` the length the model was trained with, if the
+    source dir records it (the runtime truncates to it); returns the limit and where it came from."""
+    from t5compress.runtime.text import TOKENIZER_CONFIG, input_limit
+
+    config = artifacts.read_json(out / TOKENIZER_CONFIG) or {}
+    trained = artifacts.trained_input_length(src)
+    if trained is not None and config:
+        config["model_max_length"] = trained
+        artifacts.write_json(out / TOKENIZER_CONFIG, config)
+        return {"value": trained, "from": "training (data.max_source_length)"}
+    return {"value": input_limit(out), "from": "tokenizer (model_max_length)"}
 
 
 def _merged_io(specs: dict[str, GraphSpec]) -> dict[str, list[str]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 
 # (batch, encoder length, decoder length): batch 1 and odd lengths, rows padded to different lengths.
 CASES: tuple[tuple[int, int, int], ...] = ((1, 4, 2), (2, 9, 3), (3, 13, 6))
+# Tolerance per output tensor: |export - PyTorch| <= atol + rtol * max|PyTorch tensor|. fp32 rounding grows with the
+# values (Flan-T5's logits reach ~100, where 1e-4 absolute is a relative 1e-6: a few float32 ulps), so the
+# allowance scales with each tensor; atol covers tensors near zero.
+DEFAULT_ATOL = 1e-4
+DEFAULT_RTOL = 1e-5
 
 
 def open_onnx(out: Path, names: list[str]) -> dict[str, Graph]:
@@ -70,22 +76,21 @@ def _named(values: tuple[torch.Tensor, ...], names: list[str]) -> dict[str, np.n
     return {n: v.numpy() for n, v in zip(names, values, strict=True)}
 
 
-def _diff(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
-    """Max absolute difference over the outputs named in `want`; NaN or a shape mismatch counts as infinite."""
-    worst = 0.0
+def _errors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Iterator[tuple[str, float, float]]:
+    """(output name, max |got - want|, max |want|) per output named in `want`; NaN or a wrong shape is infinite."""
     for name, ref in want.items():
+        scale = float(np.abs(ref).max()) if ref.size else 0.0
         if got[name].shape != ref.shape:
-            return math.inf
+            yield name, math.inf, scale
+            continue
         d = float(np.abs(got[name].astype(np.float64) - ref).max()) if ref.size else 0.0
-        worst = max(worst, d if not math.isnan(d) else math.inf)
-    return worst
+        yield name, (d if not math.isnan(d) else math.inf), scale
 
 
-def logits_parity(model, graphs: dict[str, Graph], seed: int = 0) -> dict[str, float]:
-    """Max absolute difference to PyTorch per graph (over logits and cache outputs), across all `CASES`."""
+def _comparisons(model, graphs: dict[str, Graph], seed: int) -> Iterator[tuple[str, dict, dict]]:
+    """(graph name, its outputs, PyTorch's outputs) for every graph in `graphs` and every case in `CASES`."""
     cfg, layers = model.config, model.config.num_decoder_layers
     rng = np.random.default_rng(seed)
-    worst = dict.fromkeys(graphs, 0.0)
     for batch, enc_len, dec_len in CASES:
         ids, mask = make_batch(cfg.vocab_size, batch, enc_len, rng)
         dec = rng.integers(3, cfg.vocab_size, (batch, dec_len)).astype(np.int64)
@@ -116,8 +121,39 @@ def logits_parity(model, graphs: dict[str, Graph], seed: int = 0) -> dict[str, f
         }
         for name, graph in graphs.items():
             for feeds, want in checks[name]:
-                worst[name] = max(worst[name], _diff(graph.run(feeds), want))
+                yield name, graph.run(feeds), want
+
+
+def logits_parity(model, graphs: dict[str, Graph], seed: int = 0) -> dict[str, float]:
+    """Max absolute difference to PyTorch per graph (over logits and cache outputs), across all `CASES`."""
+    worst = dict.fromkeys(graphs, 0.0)
+    for name, got, want in _comparisons(model, graphs, seed):
+        for _, d, _ in _errors(got, want):
+            worst[name] = max(worst[name], d)
     return worst
+
+
+def tensor_parity(
+    model, graphs: dict[str, Graph], atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, seed: int = 0
+) -> dict[str, dict]:
+    """Per graph: the worst output against the scale-aware tolerance `atol + rtol * max|reference tensor|`.
+
+    Each output tensor (logits, every cache tensor) gets its own allowance, so large logits (e.g. ~100 in Flan-T5)
+    are not held to the absolute error of small cache values. Returns, per graph, `max_abs_diff`, `max_rel_diff`
+    (difference / max|reference|) and `worst`: the tensor with the highest difference / allowance ratio
+    (`ratio` <= 1 passes).
+    """
+    out = {n: {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "worst": None} for n in graphs}
+    for name, got, want in _comparisons(model, graphs, seed):
+        row = out[name]
+        for tensor, d, scale in _errors(got, want):
+            allowed = atol + rtol * scale
+            ratio = d / allowed if allowed > 0 else (0.0 if d == 0 else math.inf)
+            row["max_abs_diff"] = max(row["max_abs_diff"], d)
+            row["max_rel_diff"] = max(row["max_rel_diff"], d / scale if scale > 0 else (0.0 if d == 0 else math.inf))
+            if row["worst"] is None or ratio > row["worst"]["ratio"]:
+                row["worst"] = {"output": tensor, "abs_diff": d, "scale": scale, "allowed": allowed, "ratio": ratio}
+    return out
 
 
 def _empty_past(past_in: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -125,20 +161,38 @@ def _empty_past(past_in: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {n: v[:, :, :0] for n, v in past_in.items() if n.startswith("past_key_values.")}
 
 
+def layouts(graphs: dict[str, Graph]) -> list[str]:
+    """The decoder layouts `graphs` can generate with: 'separate' (two decoders) and/or 'merged'."""
+    found = ["separate"] if DECODER in graphs and DECODER_WITH_PAST in graphs else []
+    return found + (["merged"] if DECODER_MERGED in graphs else [])
+
+
 def greedy(
     graphs: dict[str, Graph], ids: np.ndarray, mask: np.ndarray, start: int, eos: set[int], pad: int,
-    max_new_tokens: int,
+    max_new_tokens: int, decoders: str = "auto",
 ) -> np.ndarray:
-    """Greedy decoding with the package's runtime over `graphs`: (batch, 1 + steps) ids, as model.generate."""
-    from t5compress.runtime import Seq2SeqRuntime, SpecialTokens
-    from t5compress.runtime.sessions import Backend
+    """Greedy decoding with the package's runtime over `graphs`: (batch, 1 + steps) ids, as model.generate.
 
-    backend = Backend("verify", graphs[ENCODER], graphs[DECODER], graphs[DECODER_WITH_PAST])
-    runtime = Seq2SeqRuntime(".", backend, SpecialTokens(start, tuple(sorted(eos)), pad), defaults={})
+    `decoders`: 'separate', 'merged' (decoder_model_merged, both branches), or 'auto' (separate when present).
+    """
+    from t5compress.runtime import Seq2SeqRuntime, SpecialTokens
+    from t5compress.runtime.sessions import Backend, MergedStep
+
+    if decoders == "auto":
+        decoders = layouts(graphs)[0]
+    if decoders == "merged":
+        merged = graphs[DECODER_MERGED]
+        backend = Backend("verify", graphs[ENCODER], MergedStep(merged, False), MergedStep(merged, True))
+    else:
+        backend = Backend("verify", graphs[ENCODER], graphs[DECODER], graphs[DECODER_WITH_PAST])
+    runtime = Seq2SeqRuntime(".", backend, SpecialTokens(start, tuple(sorted(eos)), pad), defaults={},
+                             max_input_tokens=None)
     return runtime.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)
 
 
-def generation_parity(model, graphs: dict[str, Graph], max_new_tokens: int, seed: int = 0) -> dict:
+def generation_parity(
+    model, graphs: dict[str, Graph], max_new_tokens: int, seed: int = 0, decoders: str = "auto"
+) -> dict:
     """Greedy tokens from the graphs vs `model.generate` on a padded batch: identical or not, and where."""
     from transformers import GenerationConfig
 
@@ -156,26 +210,42 @@ def generation_parity(model, graphs: dict[str, Graph], max_new_tokens: int, seed
     with torch.no_grad():
         want = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                               generation_config=gen).numpy()
-    got = greedy(graphs, ids, mask, start, set(eos), cfg.pad_token_id, max_new_tokens)
+    got = greedy(graphs, ids, mask, start, set(eos), cfg.pad_token_id, max_new_tokens, decoders)
     same = got.shape == want.shape and bool((got == want).all())
     rows = [] if same else [i for i in range(batch) if got.shape != want.shape or (got[i] != want[i]).any()]
     return {"max_new_tokens": max_new_tokens, "batch": batch, "identical": same, "differing_rows": rows,
             "tokens": want.tolist()}
 
 
-def verify(model, graphs: dict[str, Graph], atol: float, max_new_tokens: int, what: str) -> dict:
-    """Run both checks; raise a one-line ExportError naming the graph or row that failed. Returns the numbers."""
-    diffs = logits_parity(model, graphs)
-    for name, d in diffs.items():
-        if not d <= atol:
+def verify(
+    model, graphs: dict[str, Graph], atol: float, max_new_tokens: int, what: str, rtol: float = DEFAULT_RTOL
+) -> dict:
+    """Run both checks; raise a one-line ExportError naming the graph or row that failed. Returns the numbers.
+
+    A graph passes when every output tensor is within `atol + rtol * max|reference tensor|` of PyTorch.
+    """
+    parity = tensor_parity(model, graphs, atol, rtol)
+    for name, p in parity.items():
+        w = p["worst"]
+        if not w["ratio"] <= 1.0:
             raise ExportError(
-                f"{what}: {name} differs from PyTorch by {d:.3g} (> atol {atol:g}); nothing was written "
-                "(raise --atol if this precision is acceptable)"
+                f"{what}: {name} differs from PyTorch by {w['abs_diff']:.3g} in {w['output']} (> {w['allowed']:.3g} ="
+                f" atol {atol:g} + rtol {rtol:g} x max|ref| {w['scale']:.3g}); nothing was written"
+                " (raise --atol/--rtol if this precision is acceptable)"
             )
-    gen = generation_parity(model, graphs, max_new_tokens)
-    if not gen["identical"]:
-        raise ExportError(
-            f"{what}: greedy tokens differ from model.generate in row(s) {gen['differing_rows']}; nothing was written"
-        )
+    gens = {layout: generation_parity(model, graphs, max_new_tokens, decoders=layout) for layout in layouts(graphs)}
+    for layout, gen in gens.items():
+        if not gen["identical"]:
+            raise ExportError(
+                f"{what}: greedy tokens over the {layout} decoder(s) differ from model.generate in row(s) "
+                f"{gen['differing_rows']}; nothing was written"
+            )
+    if not gens:
+        raise ExportError(f"{what}: no decoder graphs to generate with ({', '.join(graphs)})")
+    gen = next(iter(gens.values()))
+    diffs = {k: p["max_abs_diff"] for k, p in parity.items()}
     log.info("%s: max abs diff %s, greedy identical", what, {k: f"{v:.2e}" for k, v in diffs.items()})
-    return {"atol": atol, "cases": [list(c) for c in CASES], "max_abs_diff": diffs, "generation": gen}
+    return {"atol": atol, "rtol": rtol, "cases": [list(c) for c in CASES], "max_abs_diff": diffs,
+            "max_rel_diff": {k: p["max_rel_diff"] for k, p in parity.items()},
+            "worst": {k: p["worst"] for k, p in parity.items()}, "generation": gen,
+            "generation_by_decoders": {k: g["identical"] for k, g in gens.items()}}

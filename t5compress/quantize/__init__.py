@@ -1,12 +1,16 @@
-"""int8 for exported T5s: static (calibrated on real generation) and dynamic post-training quantization.
+"""int8 for exported T5s: static and dynamic post-training quantization, and quantization-aware training.
 
     from t5compress.quantize import QuantizeConfig, run
     report = run("export-dir", QuantizeConfig(mode="static", calib_data="train.jsonl"), "int8-dir")
 
-Layers, each public: `calibrate` feeds each graph what it really sees during generation; `graphs` picks the nodes
-(linear layers, embeddings, `wo` kept fp32); `smooth` migrates `wo` outliers into the weights; `methods` quantizes one
-graph with ONNX Runtime; `check` compares int8 with fp32; `stage` makes one checked int8 export dir.
-Importing this package is cheap: onnx and onnxruntime load when a stage runs.
+Post-training, each layer public: `calibrate` feeds each graph what it really sees during generation; `graphs` picks
+the nodes (linear layers, embeddings, `wo` kept fp32); `smooth` migrates `wo` outliers into the weights; `methods`
+quantizes one graph with ONNX Runtime; `check` compares int8 with fp32; `tune` lets onnx-neural-compressor's
+accuracy-aware tuning pick the layers kept fp32; `stage` makes one checked int8 export dir.
+Quantization-aware: `fakequant` (fake-quant modules and the scales file beside a model dir), `scheme` (their torch-free
+config), `qat` (the `t5compress qat` stage), `qdq` (QuantizeLinear/DequantizeLinear graphs from the learned scales),
+`qdq_check` (their verification against the fake-quantized PyTorch model).
+Importing this package is cheap: torch, onnx and onnxruntime load when a stage runs.
 """
 
 from t5compress.quantize.stage import QuantizeConfig, run

@@ -55,6 +55,9 @@ class QuantizeConfig:
     eval_max: int = opt(200, "Evaluate on at most this many eval records.")
     min_agreement: float = opt(0.9, "Refuse the result when int8 picks fp32's next token less often than this.")
     threads: int = opt(0, "ONNX Runtime threads while calibrating and checking (0: all cores).")
+    tolerance: float | None = opt(None, "Accuracy-aware tuning (onnx-neural-compressor): keep layers fp32 until the "
+                                        "task metric on --eval-data is at most this much below fp32, relative "
+                                        "(0.01: 1%).")
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, "mode", f"choose one of {', '.join(MODES)}")
@@ -72,6 +75,10 @@ class QuantizeConfig:
                 "smoothing measures activations: give --calib-data")
         require(0 <= self.min_agreement <= 1, "min_agreement", f"must be in [0, 1], got {self.min_agreement}")
         require(self.eval_max >= 1, "eval_max", f"must be >= 1, got {self.eval_max}")
+        require(self.tolerance is None or 0 <= self.tolerance < 1, "tolerance",
+                f"must be in [0, 1), e.g. 0.01 for 1%, got {self.tolerance}")
+        require(self.tolerance is None or (self.mode == "static" and bool(self.eval_data)), "tolerance",
+                "tuning needs --static and --eval-data (the task metric it keeps within tolerance)")
 
 
 def check_export_dir(src: Path) -> None:
@@ -107,7 +114,12 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, for
             if f.is_file() and not f.name.endswith((ONNX_SUFFIX, ".onnx_data")) and f.name not in (
                     artifacts.META_FILE, artifacts.REPORT_FILE):
                 shutil.copy2(f, tmp / f.name)
-        graphs = _quantize_graphs(src, tmp, cfg, texts, progress)
+        if cfg.tolerance is not None:  # onnx-neural-compressor's accuracy-aware tuning picks the fp32 nodes
+            from t5compress.quantize import tune
+
+            graphs = tune.run(src, tmp, cfg, texts, evalset, progress)
+        else:
+            graphs = _quantize_graphs(src, tmp, cfg, texts, progress)
         report = {"stage": "quantize", **_settings(cfg), "graphs": graphs, "size": _sizes(src, tmp)}
         report.update(_check(src, tmp, cfg, texts, evalset))
         report["seconds"] = round(time.perf_counter() - started, 2)
@@ -133,10 +145,13 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
     with scratch_dir(tmp.parent) as scratch:
         work = Path(scratch)
         sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
+        if cfg.embeddings:
+            sources = {g: _untied(p, work) for g, p in sources.items()}
         smoothing = None
         if cfg.smooth_alpha > 0:
-            sources, smoothing = _smooth(sources, cfg, texts, work, progress)
-        plans = {g: plan_for(sources[g], cfg) for g in GRAPHS}
+            sources, smoothing = _smooth(src, sources, cfg, texts, work, progress)
+        gated = _is_gated(src)
+        plans = {g: plan_for(sources[g], cfg, gated) for g in GRAPHS}
         feeds: dict[str, int] = {}
         if cfg.mode == "static":
             calibrators = {g: StaticGraph(sources[g], plans[g], cfg.method, work, cfg.percentile) for g in GRAPHS}
@@ -158,7 +173,14 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
     return out
 
 
-def plan_for(path: Path, cfg: QuantizeConfig):
+def _untied(path: Path, work: Path) -> Path:
+    from t5compress.quantize.graphs import untie_embeddings
+
+    dst = work / f"{path.stem}.untied{ONNX_SUFFIX}"
+    return dst if untie_embeddings(path, dst) else path
+
+
+def plan_for(path: Path, cfg: QuantizeConfig, gated: bool):
     """The nodes of one graph to quantize and to keep fp32 (see `quantize.graphs`)."""
     import onnx
 
@@ -174,7 +196,6 @@ def plan_for(path: Path, cfg: QuantizeConfig):
         nodes += [n for n in embedding_nodes(model) if n not in nodes]
         op_types += ["Gather"] if "Gather" not in op_types else []
     if cfg.keep_fp32 == KEEP_AUTO:
-        gated = _is_gated(path.parent)
         keep = ffn_output_nodes(nodes) if gated and cfg.smooth_alpha == 0 else []
     elif cfg.keep_fp32 == KEEP_NONE:
         keep = []
@@ -188,7 +209,7 @@ def _is_gated(export_dir: Path) -> bool:
     return str(config.get("feed_forward_proj", "relu")).startswith("gated")
 
 
-def _smooth(sources: dict[str, Path], cfg: QuantizeConfig, texts: list[str], work: Path, progress: bool):
+def _smooth(src: Path, sources: dict[str, Path], cfg: QuantizeConfig, texts: list[str], work: Path, progress: bool):
     """Measure `wo` input channels on the calibration texts, then write rescaled fp32 graphs into `work`."""
     import onnx
 
@@ -197,7 +218,7 @@ def _smooth(sources: dict[str, Path], cfg: QuantizeConfig, texts: list[str], wor
 
     pairs = {g: ffn_pairs(onnx.load(str(p))) for g, p in sources.items()}
     meters = {g: ChannelMax(sources[g], pairs[g], work) for g in GRAPHS if pairs[g]}
-    fp32 = load_runtime(sources[ENCODER].parent, threads=cfg.threads)
+    fp32 = load_runtime(src, threads=cfg.threads)
     _drive(fp32, texts, {g: [m] for g, m in meters.items()}, cfg, progress, "measuring wo inputs")
     smoothed, summary = dict(sources), {}
     for g, meter in meters.items():
@@ -277,7 +298,6 @@ def _probe_texts(rt, n: int = 32) -> list[str]:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    vocab = rt.tokenizer.get_vocab_size()
-    texts = [rt.tokenizer.decode(rng.integers(3, vocab, int(rng.integers(4, 24))).tolist()) for _ in range(n)]
+    vocab = int((artifacts.read_json(rt.path / "config.json") or {}).get("vocab_size", 256))
+    texts = [rt.decode(rng.integers(3, vocab, (1, int(rng.integers(4, 24)))))[0] for _ in range(n)]
     return [t for t in texts if t.strip()] or ["hello"]
-

@@ -2,23 +2,30 @@
 
 The ONNX path imports numpy, onnxruntime and `tokenizers` only -- no torch, no transformers -- so it runs inside
 Triton python models and on edge boxes. Outputs match `transformers` `model.generate(...)` token for token.
+Inputs longer than the model's limit (`max_input_tokens`, default the dir's tokenizer `model_max_length`) are
+truncated, and `generate_results` says which were; ByT5-style byte-level dirs need no tokenizer.json.
 
     from t5compress.runtime import load_runtime
     rt = load_runtime("export-dir", threads=1)
     rt.generate_text(["translate: hello"], num_beams=4)
 """
 
-from t5compress.runtime.model import CachedDecoder, Seq2SeqRuntime, load_runtime
+from t5compress.runtime.model import CachedDecoder, Seq2SeqRuntime, TextResult, load_runtime
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, detect_format, open_backend, session_options
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens
+from t5compress.runtime.text import ByteTokenizer, Encoded, JsonTokenizer
 
 __all__ = [
     "Backend",
+    "ByteTokenizer",
     "CachedDecoder",
+    "Encoded",
     "GenerationSettings",
+    "JsonTokenizer",
     "Seq2SeqRuntime",
     "SpecialTokens",
+    "TextResult",
     "beam_search",
     "detect_format",
     "greedy_search",

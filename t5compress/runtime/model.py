@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,20 @@ from t5compress.errors import DataError, ModelError
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
+from t5compress.runtime.text import TOKENIZER_FILE, Encoded, encode_batch, input_limit, load_text_tokenizer
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILE = "tokenizer.json"
+_FROM_DIR = object()  # max_input_tokens not given: the export dir's tokenizer_config.json decides
+
+
+@dataclass(frozen=True)
+class TextResult:
+    """What one input text gave: its outputs (num_return_sequences of them, best first) and what was read of it."""
+
+    outputs: list[str]
+    input_tokens: int  # tokens the input had, EOS included, before truncation
+    truncated: bool  # True: only the first `max_input_tokens` of them reached the model
 
 
 class CachedDecoder:
@@ -82,11 +93,17 @@ def _as_past(cache: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 class Seq2SeqRuntime:
     """Generation on an export directory: `generate` on token ids, `generate_text` on strings."""
 
-    def __init__(self, path: str | Path, backend: Backend, tokens: SpecialTokens, defaults: dict[str, Any]):
+    def __init__(
+        self, path: str | Path, backend: Backend, tokens: SpecialTokens, defaults: dict[str, Any],
+        max_input_tokens: int | None | object = _FROM_DIR,
+    ):
+        """`max_input_tokens`: longest input in tokens (None or 0: no limit); by default the dir's
+        tokenizer_config.json `model_max_length` (which an export sets to the length the model was trained with)."""
         self.path = Path(path)
         self.backend = backend
         self.tokens = tokens
         self.defaults = defaults  # GenerationSettings fields found in generation_config.json
+        self.max_input_tokens = input_limit(self.path) if max_input_tokens is _FROM_DIR else (max_input_tokens or None)
         self._tokenizer = None
 
     @property
@@ -150,29 +167,45 @@ class Seq2SeqRuntime:
 
     @property
     def tokenizer(self):
-        """The export dir's `tokenizer.json` as a `tokenizers.Tokenizer`, padding with the pad id."""
+        """The export dir's text tokenizer: its `tokenizer.json`, or ByT5's bytes (see `runtime.text`)."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.path, self.tokens.pad)
+            self._tokenizer = load_text_tokenizer(self.path)
         return self._tokenizer
 
-    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids, attention_mask), both (batch, longest) int64, right-padded."""
-        if not texts:
-            raise DataError("no input text given")
-        encs = self.tokenizer.encode_batch(list(texts))
-        ids = np.array([e.ids for e in encs], dtype=np.int64)  # (batch, longest)
-        return ids, np.array([e.attention_mask for e in encs], dtype=np.int64)
+    def tokenize(self, texts: Sequence[str], max_input_tokens: int | None = None) -> Encoded:
+        """Token ids, mask, and which inputs were truncated (to `max_input_tokens`, default the runtime's limit)."""
+        limit = self.max_input_tokens if max_input_tokens is None else max_input_tokens
+        enc = encode_batch(self.tokenizer, list(texts), limit, self.tokens.pad, self.tokens.eos)
+        cut = [i for i, t in enumerate(enc.truncated) if t]
+        if cut:
+            log.info("%d input(s) truncated to %d tokens: rows %s", len(cut), enc.limit, cut[:10])
+        return enc
+
+    def encode(self, texts: Sequence[str], max_input_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask), both (batch, longest) int64, right-padded, truncated as `tokenize`."""
+        enc = self.tokenize(texts, max_input_tokens)
+        return enc.input_ids, enc.attention_mask
 
     def decode(self, ids: np.ndarray) -> list[str]:
-        return self.tokenizer.decode_batch([row.tolist() for row in ids], skip_special_tokens=True)
+        return self.tokenizer.decode([row.tolist() for row in ids])
 
     def generate_text(self, texts: Sequence[str], **gen: Any) -> list[str]:
         """Generate for each text; with num_return_sequences = n, n strings per text, best first."""
-        input_ids, mask = self.encode(texts)
-        return self.decode(self.generate(input_ids, mask, **gen))
+        return [o for r in self.generate_results(texts, **gen) for o in r.outputs]
+
+    def generate_results(
+        self, texts: Sequence[str], max_input_tokens: int | None = None, **gen: Any
+    ) -> list[TextResult]:
+        """Generate for each text, saying per input how many tokens it had and whether it was truncated."""
+        enc = self.tokenize(texts, max_input_tokens)
+        decoded = self.decode(self.generate(enc.input_ids, enc.attention_mask, **gen))
+        n = len(decoded) // len(enc.lengths)
+        return [TextResult(decoded[i * n:(i + 1) * n], length, cut)
+                for i, (length, cut) in enumerate(zip(enc.lengths, enc.truncated, strict=True))]
 
 
 def load_tokenizer(path: Path, pad_id: int):
+    """The dir's tokenizer.json as a padding `tokenizers.Tokenizer` (the runtime itself uses `runtime.text`)."""
     from tokenizers import Tokenizer
 
     file = path / TOKENIZER_FILE
@@ -185,15 +218,22 @@ def load_tokenizer(path: Path, pad_id: int):
     return tok
 
 
-def load_runtime(path: str | Path, threads: int = 1, providers: Sequence[str] | None = None) -> Seq2SeqRuntime:
+def load_runtime(
+    path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto",
+    max_input_tokens: int | None | object = _FROM_DIR,
+) -> Seq2SeqRuntime:
     """Open an ONNX or TorchScript export directory for generation.
 
     Args:
-        path: export directory (encoder_model, decoder_model, decoder_with_past_model + config files).
+        path: export directory (encoder_model, decoder_model, decoder_with_past_model + config files; or
+            encoder_model and decoder_model_merged alone).
         threads: intra-op threads per graph (0: the backend's default).
         providers: ONNX Runtime execution providers (default: CPU).
+        decoders: 'separate', 'merged' or 'auto' (the separate decoders when the dir has them, else the merged one).
+        max_input_tokens: longest input in tokens, longer ones are truncated (None or 0: no limit); default: the
+            dir's tokenizer_config.json `model_max_length`.
     """
     p = Path(path)
-    backend = open_backend(p, threads, providers)
+    backend = open_backend(p, threads, providers, decoders)
     tokens, defaults = read_generation_defaults(p)
-    return Seq2SeqRuntime(p, backend, tokens, defaults)
+    return Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens)

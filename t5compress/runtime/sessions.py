@@ -1,8 +1,10 @@
-"""Backends that run the three exported graphs: ONNX Runtime sessions, or TorchScript modules.
+"""Backends that run the exported graphs: ONNX Runtime sessions, or TorchScript modules.
 
 Both expose the same small interface (`Graph`: input and output names, `run(feeds) -> {name: array}`), so the
-generation code never knows which one it drives. Only the TorchScript backend imports torch, and only when opened:
-the ONNX path needs numpy and onnxruntime alone.
+generation code never knows which one it drives. An ONNX dir holds either the two decoders (`decoder_model`,
+`decoder_with_past_model`: optimum's layout) or the merged one alone (`decoder_model_merged`, weights loaded once);
+`MergedStep` presents each branch of the merged graph as the decoder it replaces. Only the TorchScript backend
+imports torch, and only when opened: the ONNX path needs numpy and onnxruntime alone.
 """
 
 from __future__ import annotations
@@ -18,16 +20,28 @@ import numpy as np
 
 from t5compress.errors import ModelError, first_line
 from t5compress.names import (
+    DECODER,
+    DECODER_MERGED,
+    DECODER_WITH_PAST,
+    ENCODER,
     GRAPHS,
     MANIFEST_FILE,
+    MERGED_GRAPHS,
     ONNX_SUFFIX,
     TORCHSCRIPT_SUFFIX,
+    USE_CACHE_BRANCH,
     graph_io,
 )
 
 log = logging.getLogger(__name__)
 
 FORMAT_SUFFIXES = {"onnx": ONNX_SUFFIX, "torchscript": TORCHSCRIPT_SUFFIX}
+# Which graph files make a complete dir, per format and decoder layout (first complete one wins).
+LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "onnx": {"separate": GRAPHS, "merged": MERGED_GRAPHS},
+    "torchscript": {"separate": GRAPHS},
+}
+DECODER_CHOICES = ("auto", "separate", "merged")  # auto: the separate decoders when present, else the merged one
 
 
 class Graph(Protocol):
@@ -82,6 +96,43 @@ class OnnxGraph:
         return dict(zip(self.output_names, values, strict=True))
 
 
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+class MergedStep:
+    """One branch of `decoder_model_merged` as a Graph with the inputs and outputs of the decoder it replaces.
+
+    First step (`with_past=False`): the caller's decoder_model feeds, plus zero-length past tensors and
+    `use_cache_branch=False`. Later steps: the decoder_with_past_model feeds, plus an empty encoder_hidden_states
+    (the with-past branch never reads it, but ONNX Runtime wants every graph input) and `use_cache_branch=True`;
+    the cross-attention cache the branch passes through is left out of the outputs, as decoder_with_past_model does.
+    """
+
+    def __init__(self, merged: OnnxGraph, with_past: bool):
+        self.merged, self.with_past = merged, with_past
+        self.name = f"{merged.name} ({'with past' if with_past else 'first step'})"
+        inputs = {i.name: i for i in merged.session.get_inputs()}
+        if USE_CACHE_BRANCH not in inputs:
+            raise ModelError(f"graph '{merged.name}' has no {USE_CACHE_BRANCH} input: not a merged decoder")
+        past = tuple(n for n in merged.input_names if n.startswith("past_key_values."))
+        filled = ("encoder_hidden_states",) if with_past else past
+        # (non-batch dims, dtype) of the empty tensors fed for the branch not taken; unnamed dims get length 0
+        self._empty = {n: ([d if isinstance(d, int) else 0 for d in inputs[n].shape[1:]],
+                           _NUMPY_TYPES.get(inputs[n].type, np.float32)) for n in filled}
+        skip = {*filled, USE_CACHE_BRANCH}
+        self.input_names = tuple(n for n in merged.input_names if n not in skip)
+        self.output_names = tuple(n for n in merged.output_names if not (with_past and ".encoder." in n))
+        self._flag = np.array([with_past])
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = feeds["input_ids"].shape[0]
+        full = dict(zip(self.input_names, _feeds_for(self, feeds), strict=True))
+        full.update({n: np.zeros((rows, *dims), dtype) for n, (dims, dtype) in self._empty.items()})
+        full[USE_CACHE_BRANCH] = self._flag
+        out = self.merged.run(full)
+        return {n: out[n] for n in self.output_names}
+
+
 def session_options(threads: int):
     """Pinned, non-spinning threads: on 2-vCPU machines a spinning pool steals the core the other thread needs."""
     import onnxruntime as ort
@@ -123,30 +174,66 @@ class TorchScriptGraph:
 
 
 def detect_format(path: str | Path) -> str:
-    """'onnx' or 'torchscript'; a ModelError naming the missing graph files for anything else."""
+    """'onnx' or 'torchscript'; a ModelError naming the missing graph files for anything else.
+
+    An ONNX dir is complete with the encoder and either both separate decoders or the merged decoder.
+    """
     p = Path(path)
     if not p.is_dir():
         raise ModelError(f"'{p}' is not a directory; pass an export directory (t5compress export MODEL OUT --onnx)")
     partial = None
-    for fmt, suffix in FORMAT_SUFFIXES.items():
-        missing = [f"{g}{suffix}" for g in GRAPHS if not (p / f"{g}{suffix}").is_file()]
-        if not missing:
+    for fmt, layouts in LAYOUTS.items():
+        suffix = FORMAT_SUFFIXES[fmt]
+        present = {g for g in (*GRAPHS, DECODER_MERGED) if (p / f"{g}{suffix}").is_file()}
+        if any(set(graphs) <= present for graphs in layouts.values()):
             return fmt
-        if len(missing) < len(GRAPHS) and partial is None:
-            partial = missing
+        if present and partial is None:
+            wanted = layouts["merged"] if DECODER_MERGED in present else layouts["separate"]
+            partial = [f"{g}{suffix}" for g in wanted if g not in present]
     if partial:
         raise ModelError(f"'{p}' is an incomplete export directory: missing {', '.join(partial)}")
     wanted = ", ".join(f"{g}{ONNX_SUFFIX}" for g in GRAPHS)
-    raise ModelError(f"'{p}' is not an export directory: missing {wanted} (or the {TORCHSCRIPT_SUFFIX} files)")
+    raise ModelError(
+        f"'{p}' is not an export directory: missing {wanted} (or {DECODER_MERGED}{ONNX_SUFFIX} in place of the two "
+        f"decoders, or the {TORCHSCRIPT_SUFFIX} files)"
+    )
 
 
-def open_onnx(path: Path, threads: int, providers: Sequence[str] | None = None) -> Backend:
-    enc, dec, past = (OnnxGraph(path / f"{g}{ONNX_SUFFIX}", threads, providers) for g in GRAPHS)
-    return Backend("onnx", enc, dec, past)
+def onnx_decoders(path: Path, decoders: str = "auto") -> str:
+    """The decoder layout to open: 'separate' or 'merged' (`auto`: separate when both are there, as optimum)."""
+    if decoders not in DECODER_CHOICES:
+        raise ModelError(f"unknown decoders {decoders!r}; choose one of {', '.join(DECODER_CHOICES)}")
+    have = {name for name, graphs in LAYOUTS["onnx"].items() if all((path / f"{g}{ONNX_SUFFIX}").is_file()
+                                                                     for g in graphs)}
+    if decoders == "auto":
+        if not have:
+            raise ModelError(f"'{path}' holds no complete ONNX decoder layout (separate or merged)")
+        return "separate" if "separate" in have else "merged"
+    if decoders not in have:
+        wanted = ", ".join(f"{g}{ONNX_SUFFIX}" for g in LAYOUTS["onnx"][decoders])
+        raise ModelError(f"'{path}' has no {decoders} decoder graphs: needs {wanted}")
+    return decoders
 
 
-def open_torchscript(path: Path, threads: int, providers: Sequence[str] | None = None) -> Backend:
+def open_onnx(
+    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto"
+) -> Backend:
+    def graph(name: str) -> OnnxGraph:
+        return OnnxGraph(path / f"{name}{ONNX_SUFFIX}", threads, providers)
+
+    if onnx_decoders(path, decoders) == "merged":
+        merged = graph(DECODER_MERGED)  # one session: the decoder weights are in memory once
+        return Backend("onnx", graph(ENCODER), MergedStep(merged, False), MergedStep(merged, True))
+    return Backend("onnx", graph(ENCODER), graph(DECODER), graph(DECODER_WITH_PAST))
+
+
+def open_torchscript(
+    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto"
+) -> Backend:
     import torch
+
+    if decoders not in ("auto", "separate"):
+        raise ModelError(f"a TorchScript export has separate decoders only, not {decoders!r}")
 
     if threads > 0:
         torch.set_num_threads(threads)  # process-wide in torch: there is no per-module setting
@@ -178,9 +265,15 @@ def _decoder_layers(path: Path) -> int:
 BACKENDS: dict[str, Callable[..., Backend]] = {"onnx": open_onnx, "torchscript": open_torchscript}
 
 
-def open_backend(path: str | Path, threads: int = 1, providers: Sequence[str] | None = None) -> Backend:
-    """Open the graphs of an ONNX or TorchScript export directory."""
+def open_backend(
+    path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto"
+) -> Backend:
+    """Open the graphs of an ONNX or TorchScript export directory.
+
+    Args:
+        decoders: ONNX only: 'separate', 'merged', or 'auto' (the separate decoders when present, else the merged).
+    """
     p = Path(path)
     fmt = detect_format(p)
     log.info("opening %s export %s with %d thread(s)", fmt, p, threads)
-    return BACKENDS[fmt](p, threads, providers)
+    return BACKENDS[fmt](p, threads, providers, decoders)

@@ -1,0 +1,151 @@
+"""`t5compress prune MODEL OUT --heads R --ffn R --calib-data FILE` and `t5compress recover PRUNED OUT --data FILE`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from t5compress.cli.common import Force, ModelDir, OutDir, command, console
+from t5compress.config import default_of as _d
+from t5compress.config import help_of as _h
+from t5compress.distill import DistillConfig as K
+from t5compress.prune.recover import RecoverConfig as R
+from t5compress.prune.stage import PruneConfig as P
+from t5compress.trainer import TrainConfig as T
+
+Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted recovery from its checkpoint.")]
+Distill = Annotated[bool, typer.Option("--distill", help=_h(R, "distill"))]
+Temperature = Annotated[float, typer.Option(help=_h(K, "temperature"))]
+Alpha = Annotated[float, typer.Option(help=_h(K, "alpha"))]
+HiddenWeight = Annotated[float, typer.Option(help=_h(K, "hidden_weight"))]
+Lr = Annotated[float, typer.Option("--lr", help=_h(T, "lr"))]
+BatchSize = Annotated[int, typer.Option("--batch-size", help=_h(T, "batch_size"))]
+EvalEvery = Annotated[int, typer.Option("--eval-every", help=_h(T, "eval_every"))]
+Seed = Annotated[int, typer.Option("--seed", help=_h(T, "seed"))]
+Teacher = Annotated[str | None, typer.Option("--teacher", help=_h(R, "teacher"))]
+
+
+def _recover_cfg(data: str, eval_data: str | None, steps: int, distill: bool, teacher: str | None, temperature: float,
+                 alpha: float, hidden_weight: float, lr: float, batch_size: int, eval_every: int, seed: int) -> R:
+    train = T(max_steps=steps, lr=lr, batch_size=batch_size, eval_every=eval_every, metric="loss", seed=seed)
+    kd = K(temperature=temperature, alpha=alpha, hidden_weight=hidden_weight)
+    return R(data=data, eval_data=eval_data, distill=distill, teacher=teacher, kd=kd, train=train)
+
+
+@command
+def prune(
+    model: ModelDir,
+    out: OutDir,
+    calib_data: Annotated[str, typer.Option("--calib-data", help=_h(P, "calib_data"))],
+    eval_data: Annotated[str | None, typer.Option("--eval", help=_h(P, "eval_data"))] = None,
+    heads: Annotated[float, typer.Option(help=_h(P, "heads"))] = 0.0,
+    encoder_heads: Annotated[float | None, typer.Option(help=_h(P, "encoder_heads"))] = None,
+    decoder_heads: Annotated[float | None, typer.Option(help=_h(P, "decoder_heads"))] = None,
+    cross_heads: Annotated[float | None, typer.Option(help=_h(P, "cross_heads"))] = None,
+    ffn: Annotated[float, typer.Option(help=_h(P, "ffn"))] = 0.0,
+    encoder_ffn: Annotated[float | None, typer.Option(help=_h(P, "encoder_ffn"))] = None,
+    decoder_ffn: Annotated[float | None, typer.Option(help=_h(P, "decoder_ffn"))] = None,
+    encoder_layers: Annotated[int | None, typer.Option(help=_h(P, "encoder_layers"))] = None,
+    decoder_layers: Annotated[int | None, typer.Option(help=_h(P, "decoder_layers"))] = None,
+    criterion: Annotated[str, typer.Option(help=_h(P, "criterion"))] = _d(P, "criterion"),
+    schedule: Annotated[str, typer.Option(help=_h(P, "schedule"))] = _d(P, "schedule"),
+    calib_examples: Annotated[int, typer.Option(help=_h(P, "calib_examples"))] = _d(P, "calib_examples"),
+    eval_max_examples: Annotated[int, typer.Option(help=_h(P, "eval_max_examples"))] = _d(P, "eval_max_examples"),
+    latency_examples: Annotated[int, typer.Option(help=_h(P, "latency_examples"))] = _d(P, "latency_examples"),
+    recover_data: Annotated[str | None, typer.Option(help="Recovery data; recovery runs when given.")] = None,
+    recover_steps: Annotated[int, typer.Option(help="Recovery optimizer steps.")] = 200,
+    distill: Distill = False,
+    temperature: Temperature = _d(K, "temperature"),
+    alpha: Alpha = _d(K, "alpha"),
+    hidden_weight: HiddenWeight = _d(K, "hidden_weight"),
+    lr: Lr = 5e-4,
+    batch_size: BatchSize = 16,
+    eval_every: EvalEvery = 50,
+    seed: Seed = 0,
+    resume: Resume = False,
+    force: Force = False,
+) -> None:
+    """Remove the least important attention heads, FFN channels and layers; optionally recover (and distil)."""
+    from t5compress.prune.stage import run
+
+    recover = None
+    if recover_data is not None:
+        recover = _recover_cfg(recover_data, None, recover_steps, distill, None, temperature, alpha, hidden_weight,
+                               lr, batch_size, eval_every, seed)
+    cfg = P(calib_data=calib_data, eval_data=eval_data, heads=heads, encoder_heads=encoder_heads,
+            decoder_heads=decoder_heads, cross_heads=cross_heads, ffn=ffn, encoder_ffn=encoder_ffn,
+            decoder_ffn=decoder_ffn, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+            criterion=criterion, schedule=schedule, calib_examples=calib_examples,
+            eval_max_examples=eval_max_examples, latency_examples=latency_examples, recover=recover)
+    report = run(model, cfg, Path(out), force=force, resume=resume)
+    print_prune_report(report, out)
+
+
+@command
+def recover(
+    model: Annotated[str, typer.Argument(help="A pruned model directory.")],
+    out: OutDir,
+    data: Annotated[str, typer.Option("--data", help=_h(R, "data"))],
+    eval_data: Annotated[str | None, typer.Option("--eval", help=_h(R, "eval_data"))] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Recovery optimizer steps.")] = 200,
+    distill: Distill = False,
+    teacher: Teacher = None,
+    temperature: Temperature = _d(K, "temperature"),
+    alpha: Alpha = _d(K, "alpha"),
+    hidden_weight: HiddenWeight = _d(K, "hidden_weight"),
+    lr: Lr = 5e-4,
+    batch_size: BatchSize = 16,
+    eval_every: EvalEvery = 50,
+    seed: Seed = 0,
+    resume: Resume = False,
+    force: Force = False,
+) -> None:
+    """Fine-tune a pruned model to win back accuracy, optionally distilling from the unpruned teacher."""
+    from t5compress.prune.recover import run
+
+    cfg = _recover_cfg(data, eval_data, steps, distill, teacher, temperature, alpha, hidden_weight, lr, batch_size,
+                       eval_every, seed)
+    report = run(model, cfg, Path(out), force=force, resume=resume)
+    from rich.table import Table
+
+    t = Table(title="recovery", title_justify="left")
+    for k in ("", "loss", "exact_match", "rougeL", "bleu"):
+        t.add_column(k, justify="right")
+    for name in ("eval_before", "eval_after"):
+        t.add_row(name.removeprefix("eval_"), *(str(report[name].get(k, "-")) for k in ("loss", "exact_match",
+                                                                                          "rougeL", "bleu")))
+    console.print(t)
+    console.print(f"{report['train']['steps']} steps in {report['train']['seconds']} s → [bold]{out}[/bold]")
+
+
+def print_prune_report(report: dict, out: Path | str) -> None:
+    """Rows: what was measured; columns: before pruning, right after it, after recovery."""
+    from rich.table import Table
+
+    cols = [("before", report["before"]), ("pruned", report["after_pruning"])]
+    if report.get("after_recovery"):
+        cols.append(("recovered", report["after_recovery"]))
+    t = Table(title=f"prune ({report['schedule']}, {report['criterion']})", title_justify="left")
+    t.add_column("")
+    for name, _ in cols:
+        t.add_column(name, justify="right")
+
+    def cell(r: dict, key: str) -> str:
+        ev = r.get("eval") or {}
+        value = r.get(key, ev.get(key))
+        if value is None:
+            return "-"
+        if key == "bytes":
+            return f"{value / 2**20:.2f}"
+        return f"{value:,}" if isinstance(value, int) else str(value)
+
+    labels = {"parameters": "parameters", "block_parameters": "block parameters", "bytes": "MB (fp32)",
+              "latency_ms": "generate ms (b1)", "loss": "eval loss", "exact_match": "exact match", "rougeL": "rougeL",
+              "bleu": "bleu"}
+    for key, label in labels.items():
+        t.add_row(label, *(cell(r, key) for _, r in cols))
+    console.print(t)
+    kind = "plain Hugging Face dir" if report["plain"] else "per-layer sizes in config.json (load with t5compress)"
+    console.print(f"{kind} → [bold]{out}[/bold]")

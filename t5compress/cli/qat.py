@@ -1,0 +1,65 @@
+"""`t5compress qat MODEL DATA OUT`: quantization-aware fine-tuning (int8 fake quantization) through train's loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from t5compress.cli.common import ModelDir, OutDir, command, console
+from t5compress.cli.train import DATA_OPTIONS, RUN_OPTIONS, TRAIN_OPTIONS, TrainData, finetune_config, with_options
+from t5compress.config import default_of as _d
+from t5compress.config import help_of as _h
+from t5compress.quantize.scheme import FakeQuantConfig as Q
+
+
+@command
+@with_options(DATA_OPTIONS, TRAIN_OPTIONS, RUN_OPTIONS)
+def qat(
+    model: ModelDir,
+    data: TrainData,
+    out: OutDir,
+    act_scale: Annotated[str, typer.Option(help=_h(Q, "act_scale"))] = _d(Q, "act_scale"),
+    ema_momentum: Annotated[float, typer.Option(help=_h(Q, "ema_momentum"))] = _d(Q, "ema_momentum"),
+    calib_batches: Annotated[int, typer.Option(help=_h(Q, "calib_batches"))] = _d(Q, "calib_batches"),
+    keep_wo: Annotated[str, typer.Option(help=_h(Q, "keep_wo"))] = _d(Q, "keep_wo"),
+    lm_head: Annotated[bool, typer.Option(help=_h(Q, "lm_head"))] = _d(Q, "lm_head"),
+    embedding: Annotated[bool, typer.Option(help=_h(Q, "embedding"))] = _d(Q, "embedding"),
+    **opts,
+) -> None:
+    """Fine-tune with int8 fake quantization (per-channel weights, per-tensor activations with learned or averaged
+    scales). OUT is a plain fp32 model dir with the scales beside it; `t5compress export OUT DIR --onnx` writes int8
+    Q/DQ graphs with them. Takes every option of train; --resume continues after a kill.
+    """
+    from t5compress.quantize import qat as stage
+
+    resume, force = opts.pop("resume"), opts.pop("force")
+    quant = Q(act_scale=act_scale, ema_momentum=ema_momentum, calib_batches=calib_batches, keep_wo=keep_wo,
+              lm_head=lm_head, embedding=embedding)
+    cfg = stage.QatConfig(finetune=finetune_config(data, opts), quant=quant)
+    report = stage.run(model, cfg, Path(out), force=force, resume=resume)
+    if report.get("metrics") is not None:  # absent on the non-main processes of a multi-GPU run
+        print_qat_summary(report, out)
+
+
+def print_qat_summary(report: dict, out: Path) -> None:
+    from rich.table import Table
+
+    t = Table(title="int8 quantization-aware training", title_justify="left")
+    cols = ("loss", "exact_match", "rougeL", "bleu")
+    t.add_column("model")
+    for k in cols:
+        t.add_column(k, justify="right")
+    labels = {"fp32_start": "fp32 (start)", "int8_calibrated": "int8 fake-quant, calibrated",
+              "int8_qat": "int8 fake-quant, after QAT", "fp32_after_qat": "fp32 weights after QAT"}
+    for key, label in labels.items():
+        row = report["metrics"].get(key) or {}
+        t.add_row(label, *(str(row.get(k, "-")) for k in cols))
+    console.print(t)
+    s, sc, tr = report["sizes"], report["scales"], report["train"]
+    kept = ", ".join(sc["kept_fp32"]) or "none"
+    console.print(f"weights {s['fp32_weight_bytes'] / 1e6:.2f} MB fp32 -> {s['int8_weight_bytes'] / 1e6:.2f} MB int8 "
+                  f"({s['ratio']:.2f}x); {sc['quantized_linear']} Linear layers int8, kept fp32: {kept}")
+    console.print(f"{tr['steps']} steps in {tr['seconds']} s → [bold]{out}[/bold] "
+                  f"(export int8 ONNX: t5compress export {out} OUT --onnx)")

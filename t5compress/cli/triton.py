@@ -1,0 +1,170 @@
+"""`t5compress triton EXPORT REPO`, `t5compress serve REPO`, `t5compress bench-triton URL`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from t5compress.cli.common import Force, OutDir, command, console, err_console, fail
+from t5compress.config import default_of as _d
+from t5compress.config import help_of as _h
+from t5compress.triton.stage import TritonConfig as C
+
+DEFAULT_TEXTS = ("translate English to German: The house is wonderful.",
+                 "summarize: the quick brown fox jumps over the lazy dog while the cat sleeps in the sun.")
+
+
+@command
+def triton(
+    export_dir: Annotated[Path, typer.Argument(help="ONNX export directory (t5compress export MODEL OUT --onnx).")],
+    out: OutDir,
+    name: Annotated[str, typer.Option(help=_h(C, "name"))] = _d(C, "name"),
+    kind: Annotated[str, typer.Option(help=_h(C, "kind"))] = _d(C, "kind"),
+    instances: Annotated[int, typer.Option(help=_h(C, "instances"))] = _d(C, "instances"),
+    bls_instances: Annotated[int, typer.Option(help=_h(C, "bls_instances"))] = _d(C, "bls_instances"),
+    threads: Annotated[int, typer.Option(help=_h(C, "threads"))] = _d(C, "threads"),
+    portable: Annotated[bool, typer.Option("--portable", help=_h(C, "portable"))] = False,
+    max_batch_size: Annotated[int, typer.Option(help=_h(C, "max_batch_size"))] = _d(C, "max_batch_size"),
+    max_beams: Annotated[int, typer.Option(help=_h(C, "max_beams"))] = _d(C, "max_beams"),
+    max_new_tokens: Annotated[int, typer.Option(help=_h(C, "max_new_tokens"))] = _d(C, "max_new_tokens"),
+    max_input_tokens: Annotated[int, typer.Option(help=_h(C, "max_input_tokens"))] = _d(C, "max_input_tokens"),
+    queue_delay_us: Annotated[int, typer.Option(help=_h(C, "queue_delay_us"))] = _d(C, "queue_delay_us"),
+    force: Force = False,
+) -> None:
+    """Write a Triton model repository: a text-in/text-out BLS model and its encoder/decoder leaf models."""
+    from rich.table import Table
+
+    from t5compress.triton.stage import run
+
+    cfg = C(name=name, kind=kind, instances=instances, bls_instances=bls_instances, threads=threads,
+            portable=portable, max_batch_size=max_batch_size, max_beams=max_beams, max_new_tokens=max_new_tokens,
+            max_input_tokens=max_input_tokens, queue_delay_us=queue_delay_us)
+    report = run(export_dir, cfg, out, force=force)
+    t = Table(title=f"Triton model repository ({report['flavour']}, {report['kind']})", title_justify="left")
+    for col in ("model", "backend", "max batch", "instances", "inputs", "outputs"):
+        t.add_column(col)
+    for model, m in report["models"].items():
+        t.add_row(model, m["backend"], str(m["max_batch_size"]), ", ".join(m["instances"]), str(len(m["inputs"])),
+                  str(m["outputs"]))
+    console.print(t)
+    console.print(f"configs checked against Triton's schema; {report['bytes'] / 1e6:.1f} MB → [bold]{out}[/bold]")
+    console.print(f"serve it: t5compress serve {out}", highlight=False)
+    if not cfg.portable:
+        console.print("(the leaf models need Triton's ONNX Runtime backend, as in NVIDIA's container; "
+                      "--portable repositories run on any Triton with the python backend)", highlight=False)
+
+
+@command
+def serve(
+    repo: Annotated[Path, typer.Argument(help="Model repository (written by `t5compress triton`).")],
+    http_port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port.")] = 8001,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port.")] = 8002,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    tritonserver: Annotated[Path | None, typer.Option(help="tritonserver executable (default: PATH, then "
+                                                           "the nvidia-pytriton environment).")] = None,
+    log_file: Annotated[Path | None, typer.Option(help="Write the server's log here (default: a temporary file, "
+                                                       "named when the server is ready).")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the models to load.")] = 180.0,
+) -> None:
+    """Start a Triton Inference Server on REPO, print its endpoints, and stop it on Ctrl-C."""
+    from t5compress.triton.server import Ports, find_server, start
+
+    server = find_server(tritonserver)
+    if not repo.is_dir():
+        fail(f"'{repo}' is not a directory; write a repository with `t5compress triton EXPORT_DIR {repo}`")
+    if log_file is None:
+        log_file = Path(tempfile.gettempdir()) / f"t5compress-tritonserver-{os.getpid()}.log"
+    console.print(f"starting tritonserver ({server.origin}) on {repo} ...", highlight=False)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
+    running = start(server, repo, Ports(http_port, grpc_port, metrics_port), host=host, log_path=log_file, wait=None)
+    try:
+        running.wait_ready(timeout)
+        console.print(f"ready (pid {running.pid}): HTTP {running.http_url}  gRPC {running.grpc_url}  "
+                      f"metrics {running.metrics_url}", highlight=False)
+        console.print(f"server log: {log_file}; Ctrl-C to stop", highlight=False)
+        code = running.process.wait()
+        err_console.print(f"[red]error:[/red] tritonserver exited with code {code}", highlight=False)
+        raise typer.Exit(code=1)
+    except KeyboardInterrupt:
+        console.print("stopping ...")
+    finally:
+        code = running.stop()
+    console.print(f"tritonserver stopped (exit code {code})", highlight=False)
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+PERF_ANALYZER_HELP = "Run NVIDIA's perf_analyzer (must be on PATH) instead of the built-in client."
+
+
+@command
+def bench_triton(
+    url: Annotated[str, typer.Argument(help="The server's HTTP endpoint, host:port.")],
+    model: Annotated[str, typer.Option(help="Served model name.")] = "t5",
+    protocol: Annotated[list[str], typer.Option(help="http and/or grpc (repeat the option).")] = ["http"],  # noqa: B006
+    grpc_url: Annotated[str | None, typer.Option(help="gRPC endpoint (default: URL's host, port + 1).")] = None,
+    concurrency: Annotated[list[int], typer.Option(help="Concurrent clients (repeat for several levels).")] = [1, 8],  # noqa: B006
+    requests: Annotated[int, typer.Option(min=1, help="Requests per level (bounded load).")] = 64,
+    text: Annotated[list[str] | None, typer.Option(help="Input text (repeat; default: two fixed texts).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to generate per request.")] = None,
+    min_new_tokens: Annotated[int | None, typer.Option(help="Force at least this many tokens.")] = None,
+    num_beams: Annotated[int | None, typer.Option(help="Beam search width.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Also write the results as JSON here.")] = None,
+    perf_analyzer: Annotated[bool, typer.Option("--perf-analyzer", help=PERF_ANALYZER_HELP)] = False,
+) -> None:
+    """Latency p50/p90/p99 and throughput of a served text model at several concurrency levels."""
+    from rich.table import Table
+
+    from t5compress import artifacts
+    from t5compress.triton.client import measure
+
+    if perf_analyzer:
+        _perf_analyzer(url, model, concurrency, requests)
+        return
+    host = url.removeprefix("http://").rsplit(":", 1)
+    grpc = grpc_url or (f"{host[0]}:{int(host[1]) + 1}" if len(host) == 2 and host[1].isdigit() else None)
+    if "grpc" in protocol and grpc is None:
+        fail("pass --grpc-url (URL has no port to derive it from)")
+    texts = list(text or DEFAULT_TEXTS)
+    settings = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams)
+    rows = []
+    for p in protocol:
+        for c in concurrency:
+            rows.append(measure(url if p == "http" else grpc, model, p, c, requests, texts, **settings))
+    t = Table(title=f"{model} at {url}: {requests} requests per row", title_justify="left")
+    for col in ("protocol", "clients", "ok", "errors", "p50 ms", "p90 ms", "p99 ms", "req/s"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["protocol"], str(r["concurrency"]), str(r["ok"]), str(r["errors"]), str(r["p50_ms"]),
+                  str(r["p90_ms"]), str(r["p99_ms"]), str(r["throughput_rps"]))
+    console.print(t)
+    if out:
+        artifacts.write_json(out, {"url": url, "model": model, "texts": texts, "settings": settings, "rows": rows})
+        console.print(f"results → [bold]{out}[/bold]")
+    if any(r["errors"] for r in rows):
+        first = next(r["first_error"] for r in rows if r["errors"])
+        err_console.print(f"[red]error:[/red] some requests failed, e.g. {first}", highlight=False)
+        raise typer.Exit(code=1)
+
+
+def _perf_analyzer(url: str, model: str, concurrency: list[int], requests: int) -> None:
+    exe = shutil.which("perf_analyzer")
+    if exe is None:
+        fail("perf_analyzer is not on PATH (it ships in NVIDIA's tritonserver SDK container); "
+             "drop --perf-analyzer to use the built-in client")
+    levels = f"{min(concurrency)}:{max(concurrency)}"
+    argv = [exe, "-m", model, "-u", url, "--concurrency-range", levels, "--request-count", str(requests),
+            "--string-data", DEFAULT_TEXTS[0], "--shape", "TEXT:1"]
+    console.print(" ".join(argv), highlight=False)
+    raise typer.Exit(code=subprocess.call(argv))

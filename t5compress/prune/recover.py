@@ -1,0 +1,95 @@
+"""Recovery: fine-tune a pruned model through the shared trainer, optionally distilling from the unpruned teacher.
+
+    run(pruned_dir, RecoverConfig(data="train.jsonl", teacher="model-dir"), out) -> report
+
+Also called by the `prune` stage (`PruneConfig.recover`), with the in-memory unpruned model as the teacher. Like
+`train`, an interrupted run resumes from the checkpoints in `OUT.partial/` (`resume=True`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from t5compress import artifacts
+from t5compress.config import option, require
+from t5compress.data import DataConfig, encode, load_splits
+from t5compress.distill import DistillConfig
+from t5compress.errors import ConfigError
+from t5compress.trainer import EvalSet, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecoverConfig:
+    data: str = option(help="Recovery training data: any format `train` reads.")
+    eval_data: str | None = option(None, "Held-out data; default: a split of the recovery data.")
+    distill: bool = option(False, "Distil from the unpruned teacher (KL on softened logits + cross-entropy).")
+    teacher: str | None = option(None, "Teacher model dir; default: the pruned dir's parent (t5compress.json).")
+    kd: DistillConfig = field(default_factory=DistillConfig, metadata={"help": "Distillation loss settings."})
+    data_cfg: DataConfig = field(default_factory=DataConfig, metadata={"help": "How records are read."})
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=200, metric="loss"),
+                               metadata={"help": "Optimisation settings (max_steps: recovery steps)."})
+
+    def __post_init__(self) -> None:
+        require(bool(self.data), "data", "give recovery data")
+        require(self.train.max_steps > 0, "recover_steps", f"must be > 0, got {self.train.max_steps}")
+
+
+def recover_model(model, tokenizer, teacher, cfg: RecoverConfig, work: Path, resume: bool = False,
+                  progress: bool = True, on_step=None) -> dict:
+    """Fine-tune `model` in place (distilling from `teacher` when cfg.distill); keeps the best checkpoint."""
+    from t5compress.checkpoint import load_best
+    from t5compress.distill import distill_loss
+    from t5compress.trainer import fit
+
+    train_ex, eval_ex, stats = load_splits(cfg.data, cfg.eval_data, cfg.data_cfg)
+    eval_ex = eval_ex[: cfg.train.eval_max_examples]
+    train_enc, eval_enc = encode(train_ex, tokenizer, cfg.data_cfg), encode(eval_ex, tokenizer, cfg.data_cfg)
+    max_new = cfg.train.eval_max_new_tokens or max(len(x) for x in eval_enc.labels)
+    loss_fn = distill_loss(teacher, cfg.kd) if cfg.distill else None
+    summary = fit(model, tokenizer, train_enc, EvalSet(eval_ex, eval_enc, max_new), cfg.train, work, resume,
+                  loss_fn=loss_fn, progress=progress, on_step=on_step)
+    best = load_best(work, model)
+    return {"train": summary, "best": best and {k: v for k, v in best.items() if k != "samples"},
+            "distill": dataclasses.asdict(cfg.kd) if cfg.distill else None, "data": stats}
+
+
+def teacher_of(src: str | Path, cfg: RecoverConfig) -> str:
+    if cfg.teacher:
+        return cfg.teacher
+    parent = ((artifacts.read_json(Path(src) / artifacts.META_FILE) or {}).get("parent") or {}).get("path")
+    if not parent or not Path(parent).is_dir():
+        raise ConfigError(f"distill: no teacher given and '{src}' names no existing parent dir; pass --teacher")
+    return parent
+
+
+def run(src: str | Path, cfg: RecoverConfig, out: str | Path, force: bool = False, resume: bool = False,
+        progress: bool = True, on_step=None) -> dict:
+    """Recover the pruned model `src` into `out`; the report has the metric before and after."""
+    from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
+    from t5compress.prune.measure import measure_eval
+    from t5compress.training import _prepare_workdir
+
+    out = artifacts.check_output(out, force)
+    model, tokenizer = load_model(src), load_tokenizer(src)
+    teacher = load_model(teacher_of(src, cfg)) if cfg.distill else None
+    work = _prepare_workdir(out, cfg, force, resume)
+    _, eval_ex, _ = load_splits(cfg.data, cfg.eval_data, cfg.data_cfg)
+    eval_ex = eval_ex[: cfg.train.eval_max_examples]
+    before = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)
+    section = recover_model(model, tokenizer, teacher, cfg, work, resume, progress, on_step)
+    after = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)
+    report = {"stage": "recover", "model": describe(model), "teacher": teacher_of(src, cfg) if cfg.distill else None,
+              "eval_before": before, "eval_after": after, "eval": after, **section}
+    with artifacts.staged_output(out, force=True) as tmp:
+        save_model_dir(model, tokenizer, tmp)
+        artifacts.write_meta(tmp, "recover", dataclasses.asdict(cfg), parent=src)
+        artifacts.write_report(tmp, report)
+    shutil.rmtree(work, ignore_errors=True)
+    return report
+

@@ -1,0 +1,323 @@
+"""Accuracy-aware static int8 with onnx-neural-compressor: keep nodes fp32 until the task metric is within tolerance.
+
+    run(src, tmp, QuantizeConfig(calib_data=..., eval_data=..., tolerance=0.01), texts, evalset) -> graphs report
+
+The search is onnx-neural-compressor's own (`tuning.autotune` over a `TuningConfig` of `StaticQuantConfig`s, its
+calibration and its quantizer); what it tunes is which nodes stay fp32, in growing groups (non-linear op types if
+any were asked for, lm_head, FFN output `wo`, FFN input `wi`, attention output, q/k/v, embeddings, everything).
+Its autotune takes one ONNX graph and a T5 export is three, so each graph is tuned in turn (decoder-with-past first:
+it runs at every generated token) with an eval function that swaps the candidate graph into the generation runtime
+beside the graphs settled so far and returns the task metric of the whole pipeline on the eval data. Every graph's
+stop threshold is the same absolute number, fp32's metric x (1 - tolerance), so the final model is within tolerance
+of fp32 end to end, not per graph.
+
+onnx-neural-compressor 1.0 declares numpy<2 but runs this path under numpy 2 (measured; see the Makefile), and it
+calls exit() when no candidate meets the goal: the last candidate here is the graph all fp32, which always does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from t5compress.errors import ConfigError, QuantizeError, first_line
+from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
+
+log = logging.getLogger(__name__)
+
+TUNE_ORDER = (DECODER_WITH_PAST, DECODER, ENCODER)  # most-run graph first: it gets the first share of the budget
+# Fallback groups, in the order they are kept fp32 (cumulative): most outlier-prone / least compute first.
+FALLBACKS = (
+    ("lm_head", ("lm_head",)),
+    ("FFN output wo", ("DenseReluDense/wo/",)),
+    ("FFN input wi", ("DenseReluDense/wi",)),
+    ("attention output o", ("Attention/o/",)),
+    ("attention q/k/v", ("Attention/q/", "Attention/k/", "Attention/v/")),
+    ("embeddings", ("embed_tokens/Gather",)),
+)
+MAX_FEEDS = 64  # recorded calibration feeds per graph (later decoder steps are sampled evenly)
+METRIC, FALLBACK_METRIC = "exact_match", "rougeL"
+
+
+def _onc():
+    """onnx-neural-compressor's tuning and config modules, or one line saying how to install them."""
+    try:
+        from onnx_neural_compressor import data_reader
+        from onnx_neural_compressor.quantization import config, tuning
+    except ImportError as e:
+        raise ConfigError(f"tolerance: tuning needs onnx-neural-compressor ({first_line(e)}); `make` installs it "
+                          "(pip install -e '.[inc]' && pip install --no-deps onnx-neural-compressor==1.0)") from e
+    return tuning, config, data_reader
+
+
+def candidates(nodes: list[str], keep: list[str], linear: list[str]) -> list[tuple[str, list[str]]]:
+    """(label, nodes kept fp32) in search order: `keep` first, then the non-linear ops (the relative-position
+    arithmetic breaks in int8), then each fallback group of linear layers added, then all of `nodes`."""
+    from t5compress.quantize.graphs import matching
+
+    out, kept = [("as configured", list(keep))], list(keep)
+    groups = [("other op types", [n for n in nodes if n not in set(linear)])]
+    groups += [(label, matching(nodes, patterns)) for label, patterns in FALLBACKS]
+    for label, group in groups:
+        more = [n for n in group if n not in kept]
+        if more:
+            kept = kept + more
+            out.append((f"+ {label}", kept))
+    if len(kept) < len(nodes):
+        out.append(("+ everything else", list(nodes)))
+    return out
+
+
+def fp32_nodes(path: Path, names: list[str]) -> list[str]:
+    """Those of `names` still in the graph at `path` with an fp32 constant weight (linear layers, embeddings)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    floats = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    wanted = set(names)
+    out = []
+    for n in model.graph.node:
+        if n.name in wanted and n.op_type in ("MatMul", "Gemm", "Gather"):
+            weight = n.input[0] if n.op_type == "Gather" else (n.input[1] if len(n.input) > 1 else "")
+            if weight in floats:
+                out.append(n.name)
+    return out
+
+
+def _recording_sampler(state: dict):
+    """onnx-neural-compressor's sequential sampler, noting which candidate is being tried (it is lazy: the index
+    yielded last is the one evaluated next)."""
+    tuning, _, _ = _onc()
+
+    class Recording(tuning.SequentialSampler):
+        def __iter__(self):
+            for i in range(len(self.config_source)):
+                state["index"] = i
+                yield i
+
+    return Recording
+
+
+class Recorder:
+    """A calibration sink that keeps up to `limit` feeds of one graph (every `stride`-th), for ONC's data reader."""
+
+    def __init__(self, stride: int = 1, limit: int = MAX_FEEDS):
+        self.stride, self.limit, self.seen, self.feeds = max(stride, 1), limit, 0, []
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> None:
+        if self.seen % self.stride == 0 and len(self.feeds) < self.limit:
+            self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        self.seen += 1
+
+
+def _reader(feeds: list[dict[str, np.ndarray]]):
+    _, _, data_reader = _onc()
+
+    class Reader(data_reader.CalibrationDataReader):
+        def __init__(self):
+            self.i = 0
+
+        def get_next(self):
+            self.i += 1
+            return feeds[self.i - 1] if self.i <= len(feeds) else None
+
+        def rewind(self):
+            self.i = 0
+
+    return Reader()
+
+
+class Pipeline:
+    """The generation runtime of an export dir with any of its graphs swapped: the task metric on the eval data."""
+
+    def __init__(self, src: Path, cfg, evalset):
+        from t5compress.runtime import load_runtime
+
+        self.cfg, self.runtime = cfg, load_runtime(src, threads=cfg.threads)
+        self.base = self.runtime.backend
+        self.graphs = {g: getattr(self.base, _attr(g)) for g in GRAPHS}
+        self.sources = [cfg.prefix + e.source for e in evalset]
+        self.targets = [e.target for e in evalset]
+        self.metric: str | None = None
+
+    def use(self, graph: str, path: Path) -> None:
+        from t5compress.runtime.sessions import OnnxGraph
+
+        self.graphs[graph] = OnnxGraph(path, self.cfg.threads)
+
+    def score(self) -> float:
+        """The metric (exact match; ROUGE-L when fp32 gets no example exactly right) of greedy generation."""
+        from t5compress import metrics
+        from t5compress.quantize.check import greedy_outputs
+
+        self.runtime.backend = replace(self.base, **{_attr(g): self.graphs[g] for g in GRAPHS})
+        try:
+            out = greedy_outputs(self.runtime, self.sources, max_new_tokens=self.cfg.max_new_tokens)
+        finally:
+            self.runtime.backend = self.base
+        scores = metrics.compute(out, self.targets)
+        if self.metric is None:
+            self.metric = METRIC if scores[METRIC] > 0 else FALLBACK_METRIC
+        return float(scores[self.metric])
+
+
+def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = True) -> dict:
+    """Tune and write the three int8 graphs into `tmp`; returns the `graphs` part of the quantize report."""
+    from t5compress.quantize.methods import scratch_dir
+    from t5compress.quantize.stage import _drive, _is_gated, _smooth, _untied
+
+    _onc()
+    if not evalset:
+        raise ConfigError("tolerance: tuning needs --eval-data with targets (the task metric it keeps)")
+    pipe = Pipeline(src, cfg, evalset)
+    fp32 = pipe.score()
+    if fp32 <= 0:
+        raise QuantizeError(f"the fp32 model scores 0 {pipe.metric} on {cfg.eval_data}: no tolerance can be kept")
+    goal = fp32 * (1 - cfg.tolerance)
+    steps = math.ceil(len(texts) / cfg.batch_size) * max(cfg.max_new_tokens - 1, 1)
+    recorders = {ENCODER: Recorder(), DECODER: Recorder(), DECODER_WITH_PAST: Recorder(math.ceil(steps / MAX_FEEDS))}
+    sinks = {g: [r] for g, r in recorders.items()}
+    feeds = _drive(pipe.runtime, texts, sinks, cfg, progress, "recording calibration feeds")
+    report: dict = {}
+    trials: list[dict] = []
+    # Its INFO lines per trial are reported here instead; transformers warns each time it reads our config.json.
+    quiet = [logging.getLogger(n) for n in ("onnx_neural_compressor", "transformers.configuration_utils")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        with scratch_dir(tmp.parent) as scratch, _status(progress) as status:
+            sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
+            if cfg.embeddings:  # the same untied, smoothed fp32 graphs as untuned static int8 starts from
+                sources = {g: _untied(p, Path(scratch)) for g, p in sources.items()}
+            if cfg.smooth_alpha > 0:
+                sources, report["smooth_quant"] = _smooth(src, sources, cfg, texts, Path(scratch), progress)
+            for g in TUNE_ORDER:
+                dst = tmp / f"{g}{ONNX_SUFFIX}"
+                status(f"tuning {g}")
+                report[g] = tune_graph(g, sources[g], dst, cfg, pipe, goal, recorders[g].feeds, trials, status,
+                                       gated=_is_gated(src))
+                report[g]["seen_feeds"] = feeds[g]
+                pipe.use(g, dst)
+    finally:
+        for q, lv in zip(quiet, levels, strict=True):
+            q.setLevel(lv)
+    report["tuning"] = {"tool": "onnx-neural-compressor autotune", "metric": pipe.metric, "fp32": fp32,
+                        "tolerance": cfg.tolerance, "goal": round(goal, 4), "int8": pipe.score(), "trials": trials}
+    if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
+        from t5compress.export.onnx import write_merged
+
+        write_merged(tmp, external=False)
+    return report
+
+
+def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, feeds: list, trials: list,
+               status=lambda text: None, gated: bool = False) -> dict:
+    """onnx-neural-compressor's autotune on graph `g` (the other graphs as `pipe` has them); writes `dst`.
+    Appends one record per trial to `trials` and shows each result through `status(text)`."""
+    import onnxruntime as ort
+
+    from t5compress.quantize.stage import plan_for
+
+    tuning, config, _ = _onc()
+    plan = plan_for(path, cfg, gated)
+    nodes = list(plan.nodes) + list(plan.exclude)
+    cands = candidates(nodes, list(plan.exclude), _linear(path))
+    state: dict = {"index": 0}
+    pipe.use(g, path)
+    baseline = pipe.score()  # this graph fp32, the ones tuned before it int8
+
+    def evaluate(model_path: str) -> float:
+        if Path(model_path) == path:  # autotune's own baseline call
+            return baseline
+        pipe.use(g, Path(model_path))
+        value = pipe.score()
+        label, kept = cands[state["index"]]
+        trials.append({"graph": g, "candidate": state["index"], "fp32": label, "kept_fp32": len(kept),
+                       pipe.metric: value, "meets_goal": value >= goal - 1e-9})
+        line = f"tuning {g}: {label} ({len(kept)} node(s) fp32) -> {pipe.metric} {value:g}, goal {goal:g}"
+        log.info(line)
+        status(line)
+        return value
+
+    # autotune stops at baseline x (1 - tolerable_loss): make that the end-to-end goal, fp32 x (1 - tolerance)
+    tolerable = max(0.0, 1 - goal / baseline) + 1e-9 if baseline > 0 else 0.0
+    configs = _configs(config, cfg, path, plan, cands, len(feeds))
+    tune_cfg = tuning.TuningConfig(config_set=configs, sampler=_recording_sampler(state), tolerable_loss=tolerable,
+                                   max_trials=len(configs))
+    try:
+        best = tuning.autotune(str(path), tune_cfg, eval_fn=evaluate, calibration_data_reader=_reader(feeds),
+                               optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    except SystemExit as e:  # onnx-neural-compressor exits when no candidate meets the goal
+        raise QuantizeError(f"tuning {g}: no candidate reached {pipe.metric} {goal:.2f}; nothing was written") from e
+    _save(best, dst)
+    kept = cands[state["index"]][1]
+    return {"quantized_nodes": len(nodes) - len(kept), "kept_fp32": kept, "calibration_feeds": len(feeds),
+            "candidates": [label for label, _ in cands]}
+
+
+@contextmanager
+def _status(show: bool):
+    """A transient one-line rich status (what is being tuned, the last trial's result), or nothing."""
+    if not show:
+        yield lambda text: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task("tuning", total=None)
+        yield lambda text: bar.update(task, description=text)
+
+
+def _attr(graph: str) -> str:
+    return {ENCODER: "encoder", DECODER: "decoder", DECODER_WITH_PAST: "decoder_with_past"}[graph]
+
+
+def _linear(path: Path) -> list[str]:
+    import onnx
+
+    from t5compress.quantize.graphs import embedding_nodes, linear_nodes
+
+    model = onnx.load(str(path), load_external_data=False)
+    return linear_nodes(model) + embedding_nodes(model)
+
+
+def _configs(config, cfg, path: Path, plan, cands: list[tuple[str, list[str]]], feeds: int) -> list:
+    """One onnx-neural-compressor StaticQuantConfig per candidate. What is not quantized is excluded by name: every
+    node of the op types outside the plan or kept fp32 (an empty nodes_to_quantize would mean all of them)."""
+    import onnx
+    import onnxruntime as ort
+
+    methods = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
+    fmt = {"qdq": "QDQ", "qoperator": "QOperator"}[cfg.format]
+    model = onnx.load(str(path), load_external_data=False)
+    typed = [n.name for n in model.graph.node if n.op_type in plan.op_types]
+    planned = set(plan.nodes) | set(plan.exclude)
+    try:
+        return [config.StaticQuantConfig(
+            calibrate_method=getattr(ort.quantization.CalibrationMethod, methods[cfg.method]),
+            quant_format=getattr(ort.quantization.QuantFormat, fmt), per_channel=cfg.per_channel,
+            op_types_to_quantize=list(plan.op_types),
+            nodes_to_exclude=[n for n in typed if n in set(kept) or n not in planned],
+            calibration_sampling_size=feeds, execution_provider="CPUExecutionProvider",
+            extra_options={"ActivationSymmetric": False, "WeightSymmetric": True},
+        ) for _, kept in cands]
+    except ValueError as e:  # e.g. an op type its CPU static quantizer does not know
+        raise ConfigError(f"op_types: onnx-neural-compressor refuses them: {first_line(e)}") from e
+
+
+def _save(model, dst: Path) -> None:
+    """One self-contained file, as the rest of the quantize stage writes."""
+    import onnx
+
+    if model is None:
+        raise QuantizeError(f"tuning {dst.stem}: onnx-neural-compressor returned no model; nothing was written")
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            raise QuantizeError(f"tuning {dst.stem}: weights left in external data; nothing was written")
+    onnx.save(model, str(dst))

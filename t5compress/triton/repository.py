@@ -1,0 +1,133 @@
+"""The model repository: which models, their configs, and the files each version directory holds.
+
+    <name>/                    python BLS model: text in, text out (model.py, tokenizer + config files, runtime copy)
+    <name>_encoder/            encoder_model.onnx
+    <name>_decoder/            decoder_model.onnx (first step: fills the self- and cross-attention cache)
+    <name>_decoder_with_past/  decoder_with_past_model.onnx (every later step)
+
+The leaf models are `onnxruntime_onnx` models, or with `portable` python models that run the same file with ONNX
+Runtime (`triton_models/onnx_graph.py`). Each ONNX file keeps its export name (and its external-data files beside it),
+so the ONNX Runtime backend is told the name through `default_model_filename`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from t5compress.errors import ConfigError, ModelError
+from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER, ONNX_SUFFIX
+from t5compress.triton import config as pbtxt
+
+VERSION = "1"
+LEAF_SUFFIXES = {ENCODER: "encoder", DECODER: "decoder", DECODER_WITH_PAST: "decoder_with_past"}
+BLS_SOURCE = "t5_bls.py"
+LEAF_SOURCE = "onnx_graph.py"
+# What the server-side python needs of the package: the runtime and the modules it imports (numpy, onnxruntime and
+# tokenizers are all they import in turn).
+RUNTIME_FILES = ("__init__.py", "errors.py", "names.py", "runtime")
+# Export-dir files the BLS model reads (tokenizer, special ids and generation defaults, graph tensor names).
+NOT_COPIED = {"report.json", "t5compress.json"}
+
+# Request inputs of the BLS model besides TEXT: GenerationSettings fields (see triton_models/t5_bls.py).
+GENERATION_INPUTS = {
+    "max_new_tokens": "TYPE_INT32",
+    "min_new_tokens": "TYPE_INT32",
+    "num_beams": "TYPE_INT32",
+    "num_return_sequences": "TYPE_INT32",
+    "no_repeat_ngram_size": "TYPE_INT32",
+    "length_penalty": "TYPE_FP32",
+    "repetition_penalty": "TYPE_FP32",
+    "early_stopping": "TYPE_STRING",
+}
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model of the repository: its validated config and the files of its version directory (dest <- src)."""
+
+    name: str
+    config: Any  # model_config_pb2.ModelConfig
+    files: dict[str, Path]
+
+
+def server_sources() -> Path:
+    """The `triton_models/` folder (server-side python models), wherever t5compress is installed from."""
+    spec = importlib.util.find_spec("triton_models")
+    if spec is None or spec.origin is None:
+        raise ModelError("the triton_models package (server-side models) is not installed beside t5compress")
+    return Path(spec.origin).parent
+
+
+def runtime_files() -> dict[str, Path]:
+    """t5compress.runtime and what it imports, as `t5compress/...` destinations."""
+    root = Path(__file__).resolve().parents[1]
+    out = {}
+    for entry in RUNTIME_FILES:
+        src = root / entry
+        for f in sorted(src.rglob("*.py")) if src.is_dir() else [src]:
+            out[f"t5compress/{f.relative_to(root)}"] = f
+    return out
+
+
+def leaf_model(export: Path, graph: str, name: str, kind: str, instances: int, threads: int, max_batch: int,
+               queue_delay_us: int, portable: bool) -> ModelPlan:
+    onnx_file = export / f"{graph}{ONNX_SUFFIX}"
+    inputs, outputs = pbtxt.graph_tensors(onnx_file, batched=True)
+    common = {
+        "name": name, "max_batch_size": max_batch, "input": inputs, "output": outputs,
+        "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
+        "instance_group": pbtxt.instance_group(kind, instances),
+    }
+    data = {f.name: f for f in sorted(export.glob(f"{graph}{ONNX_SUFFIX}_*"))}  # external weights (optimum's name)
+    files = {onnx_file.name: onnx_file, **data}
+    threads_param = {"intra_op_thread_count": str(threads), "inter_op_thread_count": "1"}
+    if portable:
+        cfg = {**common, "backend": "python", "parameters": pbtxt.parameters({**threads_param,
+                                                                              "graph_file": onnx_file.name})}
+        files.update({"model.py": server_sources() / LEAF_SOURCE, **runtime_files()})
+    else:
+        cfg = {**common, "platform": "onnxruntime_onnx", "default_model_filename": onnx_file.name,
+               "optimization": {"graph": {"level": 1}},  # ONNX Runtime: all graph optimisations
+               "parameters": pbtxt.parameters({**threads_param, "execution_mode": "0"})}  # 0: sequential
+    return ModelPlan(name, pbtxt.build(cfg), files)
+
+
+def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, max_batch: int, queue_delay_us: int,
+              max_beams: int, max_new_tokens: int, max_input_tokens: int = -1) -> ModelPlan:
+    inputs = [pbtxt.tensor("TEXT", "TYPE_STRING", [1])]
+    inputs += [pbtxt.tensor(k, t, [1], optional=True) for k, t in GENERATION_INPUTS.items()]
+    cfg = {
+        "name": name, "backend": "python", "max_batch_size": max_batch, "input": inputs,
+        "output": [pbtxt.tensor("OUTPUT_TEXT", "TYPE_STRING", [-1]),  # (batch, num_return_sequences)
+                   pbtxt.tensor("OUTPUT_IDS", "TYPE_INT64", [-1, -1]),  # (batch, num_return_sequences, len)
+                   pbtxt.tensor("INPUT_TOKENS", "TYPE_INT64", [1]),  # (batch, 1): tokens before truncation
+                   pbtxt.tensor("TRUNCATED", "TYPE_BOOL", [1])],  # (batch, 1): cut to max_input_tokens
+        "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
+        "instance_group": pbtxt.instance_group("cpu", instances),  # tokenizer and search: CPU work in any case
+        "parameters": pbtxt.parameters({"leaf_models": leaves, "max_beams": str(max_beams),
+                                        "max_new_tokens": str(max_new_tokens),
+                                        "max_input_tokens": str(max_input_tokens)}),
+    }
+    files = {f.name: f for f in sorted(export.iterdir())
+             if f.is_file() and f.suffix in (".json", ".model", ".txt") and f.name not in NOT_COPIED}
+    files.update({"model.py": server_sources() / BLS_SOURCE, **runtime_files()})
+    return ModelPlan(name, pbtxt.build(cfg), files)
+
+
+def write(plan: ModelPlan, repo: Path) -> None:
+    """Write `plan` under `repo`: config.pbtxt (checked again after reading it back) and the version files."""
+    model_dir = repo / plan.name
+    version = model_dir / VERSION
+    version.mkdir(parents=True)
+    text = pbtxt.render(plan.config)
+    (model_dir / "config.pbtxt").write_text(text)
+    if pbtxt.parse_config(model_dir / "config.pbtxt") != plan.config:
+        raise ConfigError(f"config of {plan.name!r} does not read back as written")
+    for dest, src in plan.files.items():
+        (version / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, version / dest)  # copyfile: the umask's permissions, not the source's
+

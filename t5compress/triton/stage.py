@@ -1,0 +1,115 @@
+"""The triton stage: ONNX export dir in, Triton Inference Server model repository out.
+
+    run("export-dir", TritonConfig(name="t5", portable=True), "repo") -> report
+
+Every config.pbtxt is generated from code and parsed through Triton's `model_config_pb2` before it is written; the
+repository is built in a temporary sibling and renamed into place, with `t5compress.json` and `report.json` at its
+top level (Triton ignores files there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from t5compress import artifacts
+from t5compress.config import choose, option, require
+from t5compress.errors import ModelError
+from t5compress.names import GRAPHS, MANIFEST_FILE
+from t5compress.triton import config as pbtxt
+from t5compress.triton import repository
+
+log = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    name: str = option("t5", help="Name of the text-in/text-out model; the leaf models get it as prefix.")
+    kind: str = option("cpu", help="Where the leaf models run: cpu or gpu (Triton instance group kind).")
+    instances: int = option(1, help="Instances of each leaf model (per GPU with --kind gpu).")
+    bls_instances: int = option(1, help="Instances of the text-in/text-out (BLS) model.")
+    threads: int = option(1, help="ONNX Runtime intra-op threads per leaf model instance.")
+    portable: bool = option(False, help="Leaf models as python models running ONNX Runtime (no ONNX Runtime backend).")
+    max_batch_size: int = option(8, help="Requests the text model generates together (dynamic batching).")
+    max_beams: int = option(4, help="Largest num_beams a request may ask for (sizes the leaf models' batches).")
+    max_new_tokens: int = option(512, help="Largest max_new_tokens a request may ask for.")
+    max_input_tokens: int = option(-1, help="Longer request texts are truncated to this many tokens and the response "
+                                             "says so (TRUNCATED); -1: the export's limit, 0: no limit.")
+    queue_delay_us: int = option(2000, help="Dynamic batching: microseconds a request may wait for others.")
+
+    def __post_init__(self) -> None:
+        require(bool(NAME_RE.match(self.name)), "name",
+                f"must be letters, digits, '_', '.', '-' (a directory name), got {self.name!r}")
+        choose(pbtxt.KINDS, self.kind, "instance kind")
+        for field in ("instances", "bls_instances", "threads", "max_batch_size", "max_beams", "max_new_tokens"):
+            require(getattr(self, field) >= 1, field, f"must be >= 1, got {getattr(self, field)}")
+        require(self.max_input_tokens >= -1, "max_input_tokens", f"must be >= -1, got {self.max_input_tokens}")
+        require(self.queue_delay_us >= 0, "queue_delay_us", f"must be >= 0, got {self.queue_delay_us}")
+
+    def leaf_names(self) -> dict[str, str]:
+        """Export graph name -> leaf model name."""
+        return {g: f"{self.name}_{repository.LEAF_SUFFIXES[g]}" for g in GRAPHS}
+
+
+def plan(src: Path, cfg: TritonConfig) -> list[repository.ModelPlan]:
+    """Every model of the repository, configs validated; nothing is written."""
+    leaves = cfg.leaf_names()
+    leaf_batch = cfg.max_batch_size * cfg.max_beams  # the decoders see batch x beams rows
+    models = [repository.bls_model(src, cfg.name, leaves, cfg.bls_instances, cfg.max_batch_size, cfg.queue_delay_us,
+                                   cfg.max_beams, cfg.max_new_tokens, cfg.max_input_tokens)]
+    models += [repository.leaf_model(src, g, leaves[g], cfg.kind, cfg.instances, cfg.threads, leaf_batch,
+                                     cfg.queue_delay_us, cfg.portable) for g in GRAPHS]
+    return models
+
+
+def check_export(src: Path) -> None:
+    from t5compress.runtime import detect_format
+
+    fmt = detect_format(src)  # one line naming missing graphs for anything that is not an export dir
+    if fmt != "onnx":
+        raise ModelError(f"'{src}' is a {fmt} export: a Triton repository needs an ONNX export "
+                         "(t5compress export MODEL OUT --onnx)")
+    for needed in (MANIFEST_FILE, "tokenizer.json"):
+        if not (src / needed).is_file():
+            raise ModelError(f"'{src}' has no {needed}: re-export it with `t5compress export MODEL OUT --onnx`")
+
+
+def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, force: bool = False) -> dict:
+    """Write the model repository for export dir `src` to `out`; returns the report (also in `out`/report.json)."""
+    src = Path(src)
+    out = artifacts.check_output(out, force)
+    check_export(src)
+    started = time.perf_counter()
+    models = plan(src, cfg)  # every config checked before the first file is written
+    with artifacts.staged_output(out, force) as tmp:
+        for model in models:
+            repository.write(model, tmp)
+        report = {
+            "stage": "triton",
+            "flavour": "portable" if cfg.portable else "onnxruntime",
+            "kind": cfg.kind,
+            "models": {m.name: _describe(m) for m in models},
+            "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+        artifacts.write_meta(tmp, "triton", asdict(cfg), parent=src)
+        artifacts.write_report(tmp, report)
+    log.info("model repository written to %s", out)
+    return report
+
+
+def _describe(model: repository.ModelPlan) -> dict:
+    c = model.config
+    return {
+        "backend": c.backend or c.platform,
+        "max_batch_size": c.max_batch_size,
+        "instances": [f"{g.count} x {pbtxt.KINDS_BY_VALUE[g.kind]}" for g in c.instance_group],
+        "inputs": [i.name for i in c.input],
+        "outputs": len(c.output),
+    }

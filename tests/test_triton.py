@@ -1,0 +1,364 @@
+"""Triton model repositories of a tiny real T5 export: configs through Triton's own schema, and a real server.
+
+The server tests start the tritonserver of nvidia-pytriton (`make triton-env`, which `make test` builds) on
+127.0.0.1 with free ports, serve the `--portable` repository (that server has no ONNX Runtime backend), and stop it
+by PID. Every served answer is compared with the package's local runtime on the same export: identical text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from t5compress.cli import app
+from t5compress.errors import ConfigError, ModelError, OutputError
+from t5compress.names import GRAPHS
+from t5compress.triton import TritonConfig, run
+from t5compress.triton import config as pbtxt
+from t5compress.triton.server import ENV_VAR, Ports, find_server, start
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+TEXTS = ["translate: hello world", "summarize: a b c d e f", "xyz", "the cat sat on the mat", "42 + 17 = ?",
+         "Grüße aus Köln", "one two three four five six seven", "q"]
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    """A tiny T5 whose outputs end with EOS at different steps (test_runtime's model), so that rows batched with
+    longer ones, finished beams and per-request cropping are exercised; exported by the export stage."""
+    from test_runtime import build_model, export_with
+
+    root = tmp_path_factory.mktemp("triton")
+    return export_with("onnx", build_model(root / "model"), root / "export")
+
+
+@pytest.fixture(scope="module")
+def local(export_dir):
+    from t5compress.runtime import load_runtime
+
+    return load_runtime(export_dir)
+
+
+def _models(repo: Path) -> dict:
+    return {d.name: pbtxt.parse_config(d / "config.pbtxt") for d in sorted(repo.iterdir()) if d.is_dir()}
+
+
+def test_onnxruntime_repository_configs_parse_and_name_the_right_files_and_tensors(export_dir, tmp_path):
+    repo = tmp_path / "repo"
+    report = run(export_dir, TritonConfig(name="t5", instances=2, threads=2), repo)
+    models = _models(repo)
+    assert set(models) == {"t5", "t5_encoder", "t5_decoder", "t5_decoder_with_past"} == set(report["models"])
+    graphs = json.loads((export_dir / "graphs.json").read_text())
+    for graph, leaf in zip(GRAPHS, ["t5_encoder", "t5_decoder", "t5_decoder_with_past"], strict=True):
+        c = models[leaf]
+        assert c.platform == "onnxruntime_onnx" and not c.backend
+        assert (repo / leaf / "1" / c.default_model_filename).is_file()
+        assert c.default_model_filename == f"{graph}.onnx"
+        assert [i.name for i in c.input] == graphs[graph]["inputs"]
+        assert [o.name for o in c.output] == graphs[graph]["outputs"]
+        assert c.max_batch_size == 8 * 4  # requests x beams rows
+        assert c.HasField("dynamic_batching")
+        assert [(g.kind, g.count) for g in c.instance_group] == [(2, 2)]  # KIND_CPU x 2
+        assert c.parameters["intra_op_thread_count"].string_value == "2"
+        types = {t.name: (t.data_type, list(t.dims)) for t in [*c.input, *c.output]}
+        proto = onnx.load(str(export_dir / f"{graph}.onnx"), load_external_data=False).graph
+        for v in [*proto.input, *proto.output]:  # every tensor: the ONNX shape less its batch axis
+            shape = [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim]
+            assert types[v.name][1] == shape[1:], (leaf, v.name)
+        assert types["input_ids"][0] == 9 and types["encoder_attention_mask" if graph != GRAPHS[0]
+                                                    else "attention_mask"][0] == 9  # TYPE_INT64
+        if graph == GRAPHS[2]:
+            assert types["past_key_values.1.encoder.value"] == (11, [4, -1, 8])  # TYPE_FP32 (heads, enc_len, d_kv)
+            assert types["logits"] == (11, [-1, 384])  # (len, vocab)
+    bls = models["t5"]
+    assert bls.backend == "python" and bls.max_batch_size == 8
+    assert [i.name for i in bls.input][:2] == ["TEXT", "max_new_tokens"]
+    assert [i.optional for i in bls.input].count(True) == len(bls.input) - 1
+    assert [o.name for o in bls.output] == ["OUTPUT_TEXT", "OUTPUT_IDS", "INPUT_TOKENS", "TRUNCATED"]
+    assert json.loads(bls.parameters["leaf_models"].string_value)["decoder_with_past_model"] == "t5_decoder_with_past"
+    version = repo / "t5" / "1"
+    assert (version / "model.py").read_text() == (ROOT / "triton_models" / "t5_bls.py").read_text()
+    for f in ("tokenizer.json", "config.json", "generation_config.json", "graphs.json",
+              "t5compress/runtime/search.py", "t5compress/errors.py"):
+        assert (version / f).is_file(), f
+    assert (repo / "t5" / "config.pbtxt").stat().st_mode & 0o044 == 0o044  # readable by the server's user
+    assert json.loads((repo / "report.json").read_text())["flavour"] == "onnxruntime"
+
+
+def test_gpu_and_portable_flavours(export_dir, tmp_path):
+    run(export_dir, TritonConfig(name="m", kind="gpu", instances=3), tmp_path / "gpu")
+    gpu = _models(tmp_path / "gpu")
+    assert [(g.kind, g.count) for g in gpu["m_decoder"].instance_group] == [(1, 3)]  # KIND_GPU x 3
+    assert [g.kind for g in gpu["m"].instance_group] == [2]  # the BLS model stays on CPU
+    run(export_dir, TritonConfig(name="m", portable=True), tmp_path / "portable")
+    portable = _models(tmp_path / "portable")
+    leaf = portable["m_encoder"]
+    assert leaf.backend == "python" and not leaf.platform
+    assert leaf.parameters["graph_file"].string_value == "encoder_model.onnx"
+    assert (tmp_path / "portable" / "m_encoder" / "1" / "model.py").read_text() == \
+        (ROOT / "triton_models" / "onnx_graph.py").read_text()
+    assert [i.name for i in leaf.input] == [i.name for i in gpu["m_encoder"].input]
+
+
+def test_schema_and_checks_refuse_bad_configs():
+    good = {"name": "x", "backend": "python", "max_batch_size": 1, "input": [pbtxt.tensor("A", "TYPE_STRING", [1])],
+            "output": [pbtxt.tensor("B", "TYPE_FP32", [-1])]}
+    assert pbtxt.build(good).name == "x"
+    with pytest.raises(ConfigError, match="schema.*bogus"):
+        pbtxt.build({**good, "bogus": 1})
+    with pytest.raises(ConfigError, match="schema"):
+        pbtxt.build({**good, "instance_group": [{"kind": "KIND_TPU"}]})
+    with pytest.raises(ConfigError, match="dims"):
+        pbtxt.build({**good, "input": [pbtxt.tensor("A", "TYPE_STRING", [0])]})
+    with pytest.raises(ConfigError, match="repeated"):
+        pbtxt.build({**good, "output": [pbtxt.tensor("A", "TYPE_FP32", [1])]})
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        pbtxt.build({**good, "max_batch_size": 0, "dynamic_batching": {}})
+    with pytest.raises(ConfigError, match="name"):
+        TritonConfig(name="a/b")
+    with pytest.raises(ConfigError, match="instance kind"):
+        TritonConfig(kind="tpu")
+
+
+def test_stage_refuses_non_exports_and_existing_output(export_dir, tmp_path):
+    with pytest.raises(ModelError, match="not an export directory"):
+        run(tmp_path, TritonConfig(), tmp_path / "repo")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(OutputError, match="--force"):
+        run(export_dir, TritonConfig(), tmp_path / "taken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing half-written beside it
+    run(export_dir, TritonConfig(), tmp_path / "taken", force=True)
+    assert (tmp_path / "taken" / "t5_decoder" / "config.pbtxt").is_file()
+
+
+def test_cli_triton_happy_path_and_bad_input(export_dir, tmp_path):
+    result = runner.invoke(app, ["triton", str(export_dir), str(tmp_path / "repo"), "--portable", "--name", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert "tiny_decoder_with_past" in result.output and "schema" in result.output
+    assert (tmp_path / "repo" / "tiny" / "config.pbtxt").is_file()
+    bad = runner.invoke(app, ["triton", str(export_dir), str(tmp_path / "r2"), "--kind", "tpu"])
+    assert bad.exit_code != 0 and "unknown instance kind 'tpu'" in bad.output and "Traceback" not in bad.output
+    assert not (tmp_path / "r2").exists()
+
+
+def test_serve_without_a_server_says_how_to_get_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no tritonserver on PATH
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "no-env"))
+    result = runner.invoke(app, ["serve", str(tmp_path)])
+    assert result.exit_code != 0
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "make triton-env" in lines[0], result.output
+    bad = runner.invoke(app, ["serve", str(tmp_path), "--tritonserver", str(tmp_path / "nope")])
+    assert bad.exit_code != 0 and "is not an executable file" in bad.output and "Traceback" not in bad.output
+
+
+def test_bench_triton_without_a_server_is_one_line(tmp_path):
+    port = Ports.free().http
+    result = runner.invoke(app, ["bench-triton", f"127.0.0.1:{port}", "--requests", "1"])
+    assert result.exit_code != 0
+    assert f"no Triton server answers http at 127.0.0.1:{port}" in result.output and "Traceback" not in result.output
+
+
+# ---- a real server ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(export_dir, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("served") / "repo"
+    # Input limit 40 tokens: above every text of TEXTS (bytes + EOS), so only the over-long request is cut.
+    run(export_dir, TritonConfig(name="t5", portable=True, max_batch_size=8, max_beams=4, max_input_tokens=40), repo)
+    running = start(find_server(), repo, Ports.free(), log_path=repo.parent / "server.log")
+    yield running
+    pid = running.pid
+    assert running.stop() == 0  # SIGTERM: a clean shutdown
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def _client(server, protocol: str):
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    if protocol == "http":
+        return http.InferenceServerClient(server.http_url)
+    return grpc.InferenceServerClient(server.grpc_url)
+
+
+@pytest.mark.slow
+def test_served_text_over_http_and_grpc_is_the_local_runtime(server, local):
+    from t5compress.triton.client import infer, inputs
+
+    texts = TEXTS[:4]
+    cases = [dict(), dict(max_new_tokens=12), dict(num_beams=3, num_return_sequences=2, max_new_tokens=10)]
+    for protocol in ("http", "grpc"):
+        client = _client(server, protocol)
+        try:
+            for settings in cases:
+                got = infer(client, protocol, "t5", texts, **settings)
+                n = settings.get("num_return_sequences", 1)
+                want = local.generate_text(texts, **settings)
+                assert got == [want[k * n:(k + 1) * n] for k in range(len(texts))], (protocol, settings)
+            for beams in (1, 2):
+                result = client.infer("t5", inputs(protocol, texts, num_beams=beams))
+                want_ids = local.generate(*local.encode(texts), num_beams=beams)  # (batch, len)
+                got_ids = result.as_numpy("OUTPUT_IDS")  # (batch, 1, len)
+                np.testing.assert_array_equal(got_ids[:, 0, :], want_ids)
+        finally:
+            client.close()
+
+
+@pytest.mark.slow
+def test_eight_concurrent_clients_get_right_answers_and_the_server_batches(server, local):
+    """Single-text requests batched by the server come back as if each were generated alone (text and token ids)."""
+    from t5compress.triton.client import batch_statistics, inputs
+
+    want = {t: (local.generate_text([t], max_new_tokens=8), local.generate(*local.encode([t]), max_new_tokens=8))
+            for t in TEXTS}
+    before = batch_statistics(server.http_url, "t5")
+    per_client, wrong, failures = 32, [], []
+
+    def client_loop(k: int) -> None:
+        protocol = "http" if k % 2 else "grpc"
+        client = _client(server, protocol)
+        try:
+            for j in range(per_client):
+                text = TEXTS[(k + j) % len(TEXTS)]
+                result = client.infer("t5", inputs(protocol, [text], max_new_tokens=8))
+                got_text = [t.decode() for t in result.as_numpy("OUTPUT_TEXT")[0]]
+                got_ids = result.as_numpy("OUTPUT_IDS")[0]  # (1, len): cropped to this request's own length
+                if got_text != want[text][0] or not np.array_equal(got_ids, want[text][1]):
+                    wrong.append((text, got_text, got_ids.tolist()))
+        except Exception as e:  # collected: an assert in a thread would not fail the test
+            failures.append(repr(e))
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures and not wrong, (failures[:3], wrong[:3])
+    after = batch_statistics(server.http_url, "t5")
+    requests = after["inference_count"] - before["inference_count"]
+    batches = after["execution_count"] - before["execution_count"]
+    assert requests == 8 * per_client
+    assert batches < requests * 0.75, (requests, batches)  # dynamic batching put several requests in one execution
+
+
+@pytest.mark.slow
+def test_bad_requests_get_errors_and_the_server_keeps_serving(server, local):
+    import tritonclient.http as http
+    from tritonclient.utils import InferenceServerException
+
+    from t5compress.triton.client import infer, inputs
+
+    client = http.InferenceServerClient(server.http_url)
+    want = local.generate_text(["q"])
+
+    def text_tensor(shape, dtype, value):
+        t = http.InferInput("TEXT", list(shape), dtype)
+        t.set_data_from_numpy(np.full(shape, value, dtype=np.object_ if dtype == "BYTES" else np.int32))
+        return t
+
+    def beams(n):
+        t = http.InferInput("num_beams", [1, 1], "INT32")
+        t.set_data_from_numpy(np.full((1, 1), n, dtype=np.int32))
+        return t
+
+    unknown = http.InferInput("temperature", [1, 1], "FP32")
+    unknown.set_data_from_numpy(np.ones((1, 1), np.float32))
+    bad = {
+        "missing TEXT": ([beams(2)], "TEXT"),
+        "wrong dtype": ([text_tensor((1, 1), "INT32", 5)], "data-type"),
+        "wrong shape": ([text_tensor((1, 2), "BYTES", b"hi")], "shape"),
+        "empty text": ([text_tensor((1, 1), "BYTES", b"  ")], "TEXT is empty"),
+        "unknown parameter": ([text_tensor((1, 1), "BYTES", b"hi"), unknown], "temperature"),
+        "too many beams": ([text_tensor((1, 1), "BYTES", b"hi"), beams(9)], "num_beams must be at most 4"),
+        "invalid setting": (inputs("http", ["hi"], num_beams=2, num_return_sequences=3), "num_return_sequences"),
+    }
+    for case, (tensors, needle) in bad.items():
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("t5", tensors)
+        assert needle in str(err.value), (case, str(err.value))
+        assert infer(client, "http", "t5", ["q"]) == [want], case  # still serving, still right
+    assert server.process.poll() is None and server.ready()
+    # Over-long text: cut to the repository's 40-token limit (first 39 tokens + </s>), and the response says so.
+    long = "the cat sat on the mat and looked at the long road ahead " * 3
+    result = client.infer("t5", inputs("http", [long, "q"]))
+    assert result.as_numpy("TRUNCATED").reshape(-1).tolist() == [True, False]
+    assert result.as_numpy("INPUT_TOKENS").reshape(-1).tolist() == [len(long.encode()) + 1, 2]
+    want_long = local.decode(local.generate(*local.encode([long], max_input_tokens=40)))
+    assert [t.decode() for t in result.as_numpy("OUTPUT_TEXT")[0]] == want_long
+    client.close()
+
+
+@pytest.mark.slow
+def test_bench_triton_cli_measures_both_protocols(server, tmp_path):
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench-triton", server.http_url, "--grpc-url", server.grpc_url, "--protocol", "http",
+                                 "--protocol", "grpc", "--concurrency", "1", "--concurrency", "4", "--requests", "12",
+                                 "--max-new-tokens", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["protocol"], r["concurrency"], r["ok"], r["errors"]) for r in rows] == [
+        ("http", 1, 12, 0), ("http", 4, 12, 0), ("grpc", 1, 12, 0), ("grpc", 4, 12, 0)]
+    assert all(0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] for r in rows)
+    assert "req/s" in result.output
+
+
+@pytest.mark.slow
+def test_serving_the_onnxruntime_repository_without_that_backend_is_one_line(export_dir, tmp_path):
+    run(export_dir, TritonConfig(), tmp_path / "repo")
+    ports = Ports.free()
+    result = runner.invoke(app, ["serve", str(tmp_path / "repo"), "--http-port", str(ports.http), "--grpc-port",
+                                 str(ports.grpc), "--metrics-port", str(ports.metrics), "--timeout", "60"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    error = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(error) == 1 and "exited with code" in error[0] and "onnxruntime" in error[0], result.output
+
+
+@pytest.mark.slow
+def test_serve_cli_prints_endpoints_answers_and_stops_on_ctrl_c(export_dir, local, tmp_path):
+    import signal
+
+    from t5compress.triton.client import generate
+
+    repo = tmp_path / "repo"
+    run(export_dir, TritonConfig(portable=True), repo)
+    ports = Ports.free()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "t5compress.cli", "serve", str(repo), "--http-port", str(ports.http),
+         "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("ready" in ln for ln in lines):
+            lines.append(proc.stdout.readline())
+        ready = next(ln for ln in lines if "ready" in ln)
+        assert f"HTTP 127.0.0.1:{ports.http}" in ready and f"gRPC 127.0.0.1:{ports.grpc}" in ready
+        server_pid = int(ready.split("pid ")[1].split(")")[0])
+        assert generate(f"127.0.0.1:{ports.http}", "t5", ["q"]) == [local.generate_text(["q"])]
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert "tritonserver stopped (exit code 0)" in rest
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)

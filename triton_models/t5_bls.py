@@ -1,0 +1,173 @@
+"""Triton python model: text in, text out. Generation runs here, its graphs run in the leaf models through BLS.
+
+Copied into a model repository as `<name>/1/model.py` by `t5compress triton`, beside the export's tokenizer and
+config files and a copy of `t5compress.runtime`, so the server needs numpy and `tokenizers` only (no t5compress
+install). The same file serves both repository flavours: the leaf models it calls are ONNX Runtime backend models, or
+python models running ONNX Runtime (`--portable`).
+
+Requests that arrive together (dynamic batching) are generated together: one encoder call and one decoder call per
+step for all of them, grouped by their generation settings.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the copy of t5compress.runtime beside this file
+
+import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by the python backend stub)
+
+from t5compress.runtime import Seq2SeqRuntime  # noqa: E402
+from t5compress.runtime.sessions import Backend  # noqa: E402
+from t5compress.runtime.settings import read_generation_defaults  # noqa: E402
+
+TEXT = "TEXT"
+OUTPUT_TEXT = "OUTPUT_TEXT"
+OUTPUT_IDS = "OUTPUT_IDS"
+INPUT_TOKENS = "INPUT_TOKENS"  # per text: its tokens before truncation (EOS included)
+TRUNCATED = "TRUNCATED"  # per text: whether it was cut to the model's input limit
+# Optional request inputs: the GenerationSettings field each one sets, and how to read its value.
+SETTINGS = {
+    "max_new_tokens": int,
+    "min_new_tokens": int,
+    "num_beams": int,
+    "num_return_sequences": int,
+    "no_repeat_ngram_size": int,
+    "length_penalty": float,
+    "repetition_penalty": float,
+    "early_stopping": lambda v: {"true": True, "false": False}.get(_text(v).lower(), _text(v).lower()),
+}
+
+
+# Leaf models on a GPU (--kind gpu) answer with GPU tensors unless asked otherwise; the search runs in numpy.
+_ON_CPU = ({"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)}
+           if hasattr(pb_utils, "PreferredMemory") else {})
+
+
+def _text(v) -> str:
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+class BlsGraph:
+    """`runtime.sessions.Graph` over BLS: feeds go to leaf model `name`, its outputs come back by name."""
+
+    def __init__(self, name: str, input_names, output_names):
+        self.name = name
+        self.input_names = tuple(input_names)
+        self.output_names = tuple(output_names)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        inputs = [pb_utils.Tensor(n, np.ascontiguousarray(feeds[n])) for n in self.input_names]
+        response = pb_utils.InferenceRequest(
+            model_name=self.name, requested_output_names=list(self.output_names), inputs=inputs, **_ON_CPU
+        ).exec()
+        if response.has_error():
+            raise RuntimeError(f"leaf model {self.name}: {response.error().message()}")
+        # Copies: the search reorders the cache in place, and the response's buffers go with the response.
+        return {t.name(): np.array(t.as_numpy()) for t in response.output_tensors()}
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        here = Path(__file__).resolve().parent
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        graphs = json.loads((here / "graphs.json").read_text())
+        leaves = json.loads(params["leaf_models"])  # graph name -> leaf model name
+        backend = Backend("triton", *(BlsGraph(leaves[g], graphs[g]["inputs"], graphs[g]["outputs"])
+                                      for g in ("encoder_model", "decoder_model", "decoder_with_past_model")))
+        tokens, defaults = read_generation_defaults(here)
+        self.runtime = Seq2SeqRuntime(here, backend, tokens, defaults)
+        self.runtime.tokenizer  # noqa: B018 -- load it now: a broken tokenizer fails the model load, not a request
+        self.max_beams = int(params.get("max_beams", "4"))
+        self.max_new_tokens = int(params.get("max_new_tokens", "512"))
+        limit = int(params.get("max_input_tokens", "-1"))  # -1: the export's own limit (tokenizer_config.json)
+        self.max_input_tokens = None if limit < 0 else limit
+
+    def execute(self, requests) -> list:
+        responses: list = [None] * len(requests)
+        groups: dict[tuple, list[tuple[int, list[str]]]] = {}
+        for i, request in enumerate(requests):
+            try:
+                texts, settings = self._parse(request)
+            except Exception as e:  # noqa: BLE001 -- one bad request gets its error; the others in the batch go on
+                responses[i] = _error(e)
+                continue
+            groups.setdefault(tuple(sorted(settings.items())), []).append((i, texts))
+        for key, members in groups.items():
+            try:
+                outputs = self._generate([t for _, texts in members for t in texts], dict(key))
+            except Exception as e:  # noqa: BLE001 -- a failed group fails its own requests only
+                for i, _ in members:
+                    responses[i] = _error(e)
+                continue
+            start = 0
+            for i, texts in members:
+                strings, ids, lengths, cut = (o[start:start + len(texts)] for o in outputs)
+                responses[i] = _response(strings, self._crop(np.stack(ids)), lengths, cut)
+                start += len(texts)
+        return responses
+
+    def _parse(self, request) -> tuple[list[str], dict]:
+        tensor = pb_utils.get_input_tensor_by_name(request, TEXT)
+        if tensor is None:  # Triton passes a request without its one required input to the model
+            raise ValueError(f"input {TEXT} is missing: send the text to generate from as {TEXT} (BYTES, [batch, 1])")
+        raw = tensor.as_numpy()  # (batch, 1) bytes
+        texts = [_text(v) for v in raw.reshape(-1)]
+        if any(not t.strip() for t in texts):
+            raise ValueError(f"{TEXT} is empty: send the text to generate from")
+        settings = {}
+        for name, parse in SETTINGS.items():
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                continue
+            values = {parse(v) for v in tensor.as_numpy().reshape(-1).tolist()}
+            if len(values) != 1:
+                raise ValueError(f"{name} must hold one value per request, got {sorted(map(str, values))}")
+            settings[name] = values.pop()
+        settings = {**self.runtime.settings(**settings).__dict__}  # validates every field (one-line errors)
+        if settings["num_beams"] > self.max_beams:
+            raise ValueError(f"num_beams must be at most {self.max_beams} on this server, got {settings['num_beams']}")
+        if settings["max_new_tokens"] > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens must be at most {self.max_new_tokens} on this server, "
+                             f"got {settings['max_new_tokens']}")
+        return texts, settings
+
+    def _generate(self, texts: list[str], settings: dict) -> tuple[list, list, list, list]:
+        """Per text: its num_return_sequences strings and token-id rows, its token count and whether it was cut."""
+        enc = self.runtime.tokenize(texts, self.max_input_tokens)
+        out = self.runtime.generate(enc.input_ids, enc.attention_mask, **settings)  # (len(texts) * n, out_len)
+        n = settings["num_return_sequences"]
+        decoded = self.runtime.decode(out)
+        return ([decoded[k * n:(k + 1) * n] for k in range(len(texts))],
+                [out[k * n:(k + 1) * n] for k in range(len(texts))], list(enc.lengths), list(enc.truncated))
+
+    def _crop(self, ids: np.ndarray) -> np.ndarray:
+        """(texts, n, len) ids of one request, cut to its own longest row: what generating it alone returns.
+
+        A row is as long as the start token plus its tokens up to the first EOS, or the whole width if it has none;
+        rows generated together with longer ones (other requests of the batch) are only padded after that, with the
+        runtime's fill value, which the cut keeps.
+        """
+        eos = np.isin(ids[..., 1:], list(self.runtime.tokens.eos))  # (texts, n, len - 1)
+        lengths = np.where(eos.any(axis=-1), eos.argmax(axis=-1) + 2, ids.shape[-1])
+        return ids[..., : int(lengths.max())]
+
+
+def _response(texts: list[list[str]], ids: np.ndarray, lengths: list[int], cut: list[bool]):
+    """texts: per text its n strings; ids: (batch, n, longest) int64; lengths, cut: per text."""
+    text = np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=np.object_)  # (batch, n)
+    ids = np.ascontiguousarray(ids)
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor(OUTPUT_TEXT, text), pb_utils.Tensor(OUTPUT_IDS, ids),
+        pb_utils.Tensor(INPUT_TOKENS, np.array(lengths, dtype=np.int64).reshape(-1, 1)),
+        pb_utils.Tensor(TRUNCATED, np.array(cut, dtype=np.bool_).reshape(-1, 1)),
+    ])
+
+
+def _error(e: Exception):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e).splitlines()[0] if str(e) else repr(e)))
