@@ -110,6 +110,15 @@ def load_ours(path: Path, shape: Shape, threads: int) -> Runner:
     return run
 
 
+def prepare_merged(shape: Shape) -> Path:
+    """`t5compress export --onnx --decoders merged`: the encoder and one merged decoder (decoder weights once)."""
+    out = shape.work / "ours-fp32-merged"
+    cli = [sys.executable, "-m", "t5compress.cli", "export", str(shape.model_dir), str(out), "--onnx",
+           "--decoders", "merged", "--force"]
+    subprocess.run(cli, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return out
+
+
 def prepare_quantized(mode: str) -> Callable[[Shape], Path]:
     def prepare(shape: Shape) -> Path:
         from t5compress.quantize import stage
@@ -237,6 +246,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in [
     Engine("pytorch fp32", "fp32", "baseline", ("torch", "transformers"), _same("model"), load_pytorch,
            ("model.safetensors",)),
     Engine("t5compress fp32", "fp32", "ours", ("onnxruntime",), _same("export"), load_ours, GRAPHS),
+    Engine("t5compress fp32 merged", "fp32", "ours", ("onnxruntime",), prepare_merged, load_ours,
+           ("encoder_model.onnx", "decoder_model_merged.onnx")),
     Engine("t5compress int8 static", "int8", "ours", ("onnxruntime",), prepare_quantized("static"), load_ours,
            GRAPHS),
     Engine("t5compress int8 dynamic", "int8", "ours", ("onnxruntime",), prepare_quantized("dynamic"), load_ours,

@@ -1,5 +1,6 @@
-"""Generation speed and size on CPU: PyTorch fp32 `generate`, the t5compress runtime (fp32, int8 static / dynamic /
-QAT) and the peers (optimum ORT fp32 and dynamic int8, CTranslate2 int8, OpenVINO fp32 and 8-bit weights).
+"""Generation speed and size on CPU: PyTorch fp32 `generate`, the t5compress runtime (fp32 with separate or merged
+decoders, int8 static / dynamic / QAT) and the peers (optimum ORT fp32 and dynamic int8, CTranslate2 int8, OpenVINO
+fp32 and 8-bit weights).
 
 All engines run in this one process on the same random-weight models of real shapes (speed does not depend on the
 weights), with pinned thread counts, exactly 32 tokens in and 32 out (every engine is forced to the length; one
