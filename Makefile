@@ -9,7 +9,7 @@ TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 TRITON_REQS := triton_models/requirements.txt
 
-.PHONY: demo test test-fast lint clean triton-env
+.PHONY: demo test test-fast lint clean triton-env bench bench-env
 
 # onnx-neural-compressor 1.0 (quantize --tolerance) declares numpy<2, but the path we use (StaticQuantConfig,
 # its calibration and quantizer, tuning.autotune) runs under numpy 2: tests/test_tune.py runs exactly that path.
@@ -42,5 +42,23 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check t5compress triton_models tests benchmarks
 
+# The speed benchmark's peers (CTranslate2, OpenVINO via optimum-intel) live in their own venv: optimum-intel pulls a
+# torchvision built for another torch and needs huggingface-hub<1 / datasets<4.4, which must not reach .venv.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/pip install -q -e '.[peers,bench]'
+	$(BENCH_VENV)/bin/pip uninstall -q -y torchvision 2>/dev/null || true  # built for another torch: breaks imports
+	$(BENCH_VENV)/bin/python -c "import torch, transformers, optimum.onnxruntime, optimum.intel, ctranslate2, t5compress"
+	touch $(BENCH_STAMP)
+
+bench-env: $(BENCH_STAMP)  ## the benchmark venv with every peer engine installed
+
+bench: $(BENCH_STAMP)  ## every engine side by side (minutes); ARGS='--quick' for a short run
+	$(BENCH_VENV)/bin/python benchmarks/generate_speed.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) runs
+	rm -rf $(VENV) $(TRITON_VENV) $(BENCH_VENV) runs
