@@ -163,3 +163,25 @@ def test_cli_happy_path_and_bad_input(skilled, tmp_path):
     assert res.exit_code == 2 and "choose one of" in res.output
     res = runner.invoke(app, ["info", str(out)])
     assert res.exit_code == 0 and "int8" in res.output
+
+
+def test_a_pruned_model_exports_and_quantizes_like_any_other(skilled, tmp_path):
+    """Pruning and int8 compose: a global-pruned dir (per-layer sizes) goes through export and static int8."""
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+    from t5compress.prune.stage import PruneConfig
+    from t5compress.prune.stage import run as prune
+
+    data = str(skilled / "data" / "train.jsonl")
+    prune(skilled / "model", PruneConfig(calib_data=data, heads=0.5, ffn=0.5, schedule="global",
+                                         decoder_layers=1, calib_examples=64, latency_examples=0),
+          tmp_path / "pruned", progress=False)
+    export(tmp_path / "pruned", ExportConfig(), tmp_path / "pruned-onnx")
+    r = run(tmp_path / "pruned-onnx", QuantizeConfig(calib_data=data, samples=32, min_agreement=0.5),
+            tmp_path / "pruned-int8", progress=False)
+    assert r["size"]["ratio"] < 0.45
+    assert all(r["graphs"][g]["quantized_nodes"] > 0 for g in GRAPHS)
+    fp32, int8 = load_runtime(tmp_path / "pruned-onnx"), load_runtime(tmp_path / "pruned-int8")
+    texts = ["spell sorted: 914", "sort words: road moon"]
+    assert len(int8.generate_text(texts)) == 2
+    assert r["check"]["next_token_agreement"] >= 0.5, fp32.generate_text(texts)
