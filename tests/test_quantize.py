@@ -48,6 +48,11 @@ def test_static_int8_stays_within_one_percent_of_fp32_and_shrinks(static_dir, sk
         ops = _ops(static_dir / f"{g}.onnx")
         assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0, g
         assert r["graphs"][g]["calibration_feeds"] > 0
+    # Tied embedding: the decoders' lookup reads the LM head's int8 matrix, stored once (no second int8 copy).
+    for g in GRAPHS[1:]:
+        assert r["graphs"]["tied_table_bytes_saved"][g] == 128 * 256
+        names = [t.name for t in onnx.load(str(static_dir / f"{g}.onnx")).graph.initializer]
+        assert not [n for n in names if n.endswith("_embedding_quantized")]
     # the int8 dir is an export dir like any other: the runtime generates from it
     rt = load_runtime(static_dir)
     assert rt.generate_text(["spell sorted: 914"])[0].strip() == "one four nine"
@@ -59,6 +64,7 @@ def test_dynamic_int8_and_static_matches_or_beats_it(static_dir, skilled, tmp_pa
     r = run(skilled / "onnx", QuantizeConfig(mode="dynamic", eval_data=str(skilled / "data" / "eval.jsonl")), out,
             progress=False)
     assert _ops(out / "decoder_with_past_model.onnx")["MatMulInteger"] > 0
+    assert r["graphs"]["tied_table_bytes_saved"]["decoder_with_past_model"] == 128 * 256
     assert r["size"]["ratio"] < 0.4
     assert r["check"]["on"] == "eval texts"
     static = _report(static_dir)["eval"]["int8"]["exact_match"]

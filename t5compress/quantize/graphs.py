@@ -90,3 +90,111 @@ def untie_embeddings(src: Path, dst: Path) -> bool:
     if changed:
         onnx.save(model, str(dst))
     return changed
+
+
+def share_lm_head_table(path: Path) -> int:
+    """In a quantized graph, point each embedding lookup at the LM head's int8 matrix; returns bytes saved.
+
+    `untie_embeddings` gave the lookup its own copy so that ONNX Runtime's quantizer could treat the two consumers
+    differently; once quantized, the LM head's int8 matrix (one scale per vocabulary entry) is as good a table for the
+    lookup as the copy, so the copy goes and a DequantizeLinear of the LM head's matrix feeds the Gather. On disk the
+    tied matrix is then stored once, in int8. ONNX Runtime gives each consumer of that DequantizeLinear its own copy
+    when it loads the graph, so the LM head keeps its int8 kernel.
+    """
+    from onnx import helper
+
+    model = onnx.load(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    users: dict[str, int] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            users[x] = users.get(x, 0) + 1
+    saved, dead = 0, set()
+    for node in list(model.graph.node):
+        if node.op_type != "Gather" or EMBEDDING not in node.name:
+            continue
+        if node.input[0].endswith("_embedding_quantized"):  # dynamic: the lookup reads int8 and dequantizes after
+            saved += _share_dynamic(model, node, inits, users, dead)
+            continue
+        dq = producers.get(node.input[0])
+        copy = dq.input[0] if dq is not None and dq.op_type == "DequantizeLinear" else ""
+        if not copy.endswith("_embedding_quantized") or users.get(dq.output[0], 0) != 1:
+            continue
+        base = copy[: -len("_embedding_quantized")]
+        table, scale, zero = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
+        if not all(n in inits for n in (table, scale, zero)) or inits[table].dims != inits[copy].dims:
+            continue
+        out = f"{base}_lookup_table"
+        per_row = len(inits[scale].dims) == 1 and inits[scale].dims[0] > 1
+        model.graph.node.append(helper.make_node("DequantizeLinear", [table, scale, zero], [out],
+                                                 name=f"{base}_lookup_DequantizeLinear", **({"axis": 1} if per_row
+                                                                                            else {})))
+        node.input[0] = out
+        dead.add(dq.name)
+        if users.get(copy, 0) == 1:
+            saved += len(inits[copy].raw_data)
+            model.graph.initializer.remove(inits[copy])
+    if not dead:
+        return 0
+    kept = [n for n in model.graph.node if n.name not in dead]
+    del model.graph.node[:]
+    model.graph.node.extend(_topological(kept))
+    onnx.save(model, str(path))
+    return saved
+
+
+def _share_dynamic(model: onnx.ModelProto, node, inits: dict, users: dict, dead: set) -> int:
+    """Dynamic int8: Gather the LM head's int8 columns and their per-entry scales; returns bytes saved."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    copy = node.input[0]
+    base = copy[: -len("_embedding_quantized")]
+    table, scale, zero = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
+    after = [n for n in model.graph.node if node.output[0] in n.input]
+    if (not all(n in inits for n in (table, scale, zero)) or inits[table].dims != inits[copy].dims or len(after) != 1
+            or after[0].op_type != "DequantizeLinear" or len(inits[scale].dims) != 1
+            or np.any(numpy_helper.to_array(inits[zero]) != 0)):
+        return 0
+    dq = after[0]
+    node.input[0] = table  # (d_model, vocab) int8, one scale per vocabulary entry
+    cast, picked = f"{base}_lookup_float", f"{base}_lookup_scale"
+    model.graph.node.extend([
+        helper.make_node("Cast", [node.output[0]], [cast], name=f"{base}_lookup_Cast", to=TensorProto.FLOAT),
+        helper.make_node("Gather", [scale, node.input[1]], [picked], name=f"{base}_lookup_scale_Gather", axis=0),
+        helper.make_node("Mul", [cast, picked], [dq.output[0]], name=f"{base}_lookup_Mul"),  # (d, b, l) x (b, l)
+    ])
+    dead.add(dq.name)
+    if users.get(copy, 0) == 1:
+        model.graph.initializer.remove(inits[copy])
+        return len(inits[copy].raw_data)
+    return 0
+
+
+def _topological(nodes: list) -> list:
+    """`nodes` in an order where every node comes after the producers of its inputs (ONNX requires it)."""
+    produced_by = {o: i for i, n in enumerate(nodes) for o in n.output}
+    order, state = [], {}
+
+    def visit(i: int) -> None:
+        stack = [(i, False)]
+        while stack:
+            j, done = stack.pop()
+            if done:
+                if state.get(j) != 2:
+                    state[j] = 2
+                    order.append(nodes[j])
+                continue
+            if state.get(j):
+                continue
+            state[j] = 1
+            stack.append((j, True))
+            for x in nodes[j].input:
+                k = produced_by.get(x)
+                if k is not None and not state.get(k):
+                    stack.append((k, False))
+
+    for i in range(len(nodes)):
+        visit(i)
+    return order

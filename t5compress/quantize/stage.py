@@ -120,6 +120,7 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, for
             graphs = tune.run(src, tmp, cfg, texts, evalset, progress)
         else:
             graphs = _quantize_graphs(src, tmp, cfg, texts, progress)
+        _finish(src, tmp, cfg, graphs)
         report = {"stage": "quantize", **_settings(cfg), "graphs": graphs, "size": _sizes(src, tmp)}
         report.update(_check(src, tmp, cfg, texts, evalset))
         report["seconds"] = round(time.perf_counter() - started, 2)
@@ -127,6 +128,23 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, for
         artifacts.write_report(tmp, report)
     log.info("int8 export written to %s", out)
     return report
+
+
+def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, graphs: dict) -> None:
+    """Store a tied embedding once (in the LM head's int8 matrix), then re-merge the decoders if `src` had them.
+
+    Not after tuning: the tuning's metric was measured on the graphs as they are, and its guarantee is about those.
+    """
+    if cfg.embeddings and cfg.tolerance is None:
+        from t5compress.quantize.graphs import share_lm_head_table
+
+        saved = {g: share_lm_head_table(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
+        if any(saved.values()):
+            graphs["tied_table_bytes_saved"] = saved
+    if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
+        from t5compress.export.onnx import write_merged
+
+        write_merged(tmp, external=False)
 
 
 def _settings(cfg: QuantizeConfig) -> dict:
@@ -162,10 +180,6 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         else:
             for g in GRAPHS:
                 write_dynamic(sources[g], tmp / f"{g}{ONNX_SUFFIX}", plans[g], cfg.per_channel)
-    if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
-        from t5compress.export.onnx import write_merged
-
-        write_merged(tmp, external=False)
     out = {g: {"quantized_nodes": len(plans[g].nodes), "kept_fp32": list(plans[g].exclude),
                **({"calibration_feeds": feeds[g]} if feeds else {})} for g in GRAPHS}
     if smoothing:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from t5compress.errors import ConfigError, QuantizeError, first_line
-from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
+from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -209,10 +209,6 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
             q.setLevel(lv)
     report["tuning"] = {"tool": "onnx-neural-compressor autotune", "metric": pipe.metric, "fp32": fp32,
                         "tolerance": cfg.tolerance, "goal": round(goal, 4), "int8": pipe.score(), "trials": trials}
-    if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
-        from t5compress.export.onnx import write_merged
-
-        write_merged(tmp, external=False)
     return report
 
 
