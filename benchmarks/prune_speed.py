@@ -75,11 +75,59 @@ def timed(fn, warmup: int, repeat: int) -> dict:
             "p90_ms": round(times[min(len(times) - 1, int(0.9 * len(times)))], 1)}
 
 
+CT2 = "CTranslate2 int8, unpruned"
+
+
+def ours(rt):
+    return lambda ids, mask: rt.generate(ids, mask, max_new_tokens=32, min_new_tokens=32, num_beams=1)
+
+
+def quantized(builds: dict) -> dict:
+    """Each variant's dynamic int8 export (no calibration data: random weights)."""
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize import run as quantize
+
+    out = {}
+    for name, b in builds.items():
+        dst = Path(b["export"] + "-int8")
+        quantize(b["export"], QuantizeConfig(mode="dynamic", min_agreement=0.0), dst, progress=False)
+        out[f"{name} + int8"] = {**b, "export": str(dst),
+                                 "onnx_bytes": sum(p.stat().st_size for p in dst.glob("*.onnx*"))}
+    return out
+
+
+def ctranslate2_dir(root: Path, unpruned: dict) -> Path | None:
+    try:
+        import ctranslate2
+    except ImportError:
+        print("CTranslate2 not installed here (make bench-env): its row is skipped", flush=True)
+        return None
+    out = root / "ct2-int8"
+    ctranslate2.converters.TransformersConverter(unpruned["model"]).convert(str(out), quantization="int8")
+    return out
+
+
+def ctranslate2_runner(path: Path, threads: int):
+    import ctranslate2
+
+    tr = ctranslate2.Translator(str(path), device="cpu", compute_type="int8", inter_threads=1, intra_threads=threads)
+    vocab = json.loads((path / "shared_vocabulary.json").read_text()) if (path / "shared_vocabulary.json").is_file() \
+        else (path / "shared_vocabulary.txt").read_text(encoding="utf-8").split("\n")
+
+    def run(ids, mask):
+        tokens = [[vocab[i] for i in row.tolist()] for row in ids]
+        tr.translate_batch(tokens, beam_size=1, max_decoding_length=32, min_decoding_length=32, max_batch_size=0)
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--int8", action="store_true", help="also each variant's dynamic int8 export")
+    ap.add_argument("--ctranslate2", action="store_true", help="also CTranslate2 int8 of the unpruned model (the "
+                                                               "issue's reference; needs `make bench-env`)")
     args = ap.parse_args()
     from t5compress.runtime import load_runtime
 
@@ -94,15 +142,23 @@ def main() -> None:
         for name, (heads, ffn, dec) in VARIANTS.items():
             builds[name] = build(Path(tmp), name, heads, ffn, dec)
             print(json.dumps({name: builds[name]}), flush=True)
+        if args.int8:
+            builds.update(quantized(builds))
+        ct2 = ctranslate2_dir(Path(tmp), builds["unpruned"]) if args.ctranslate2 else None
         for threads in args.threads:
-            runtimes = {name: load_runtime(b["export"], threads=threads) for name, b in builds.items()}
+            runners = {name: ours(load_runtime(b["export"], threads=threads)) for name, b in builds.items()}
+            if ct2:
+                runners[CT2] = ctranslate2_runner(ct2, threads)
             for batch, (ids, mask) in inputs.items():
                 row = {"threads": threads, "batch": batch}
-                for name, rt in runtimes.items():
-                    row[name] = timed(lambda rt=rt, ids=ids, mask=mask: rt.generate(
-                        ids, mask, max_new_tokens=32, min_new_tokens=32, num_beams=1), 1, args.repeat)
+                for name, run in runners.items():
+                    row[name] = timed(lambda run=run, ids=ids, mask=mask: run(ids, mask), 1, args.repeat)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        if ct2:
+            builds[CT2] = {"parameters": builds["unpruned"]["parameters"],
+                           "block_parameters": builds["unpruned"]["block_parameters"],
+                           "onnx_bytes": sum(p.stat().st_size for p in ct2.iterdir() if p.suffix == ".bin")}
     write(builds, rows, args.out)
 
 
@@ -110,7 +166,7 @@ def write(builds: dict, rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
            "shape": "t5-small (random weights)", "in_tokens": 32, "out_tokens": 32, "precision": "fp32",
-           "engine": "t5compress ONNX runtime"}
+           "engine": "t5compress ONNX runtime (and CTranslate2 with --ctranslate2)"}
     (out / "prune_speed.json").write_text(json.dumps({"env": env, "builds": builds, "rows": rows}, indent=1))
     names = list(builds)
     base = builds[names[0]]
