@@ -87,7 +87,22 @@ def _metric_rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("max |export - PyTorch|", f"{diffs} (atol {parity.get('atol')})"))
     if "generation" in parity:
         rows.append(("greedy == generate", "yes" if parity["generation"].get("identical") else "NO"))
-    return rows + _int8_rows(report)
+    return rows + _int8_rows(report) + (_qat_rows(report) if report.get("stage") == "qat" else [])
+
+
+_QAT_ROWS = (("fp32_start", "fp32 at the start"), ("int8_calibrated", "int8, calibrated"),
+             ("int8_qat", "int8 after QAT"), ("fp32_after_qat", "fp32 weights after QAT"))
+
+
+def _qat_rows(report: dict) -> list[tuple[str, str]]:
+    """What `qat` measured: loss and task metrics of fp32 and fake-quant int8, before and after training."""
+    metrics = report.get("metrics") or {}
+    rows = []
+    for key, label in _QAT_ROWS:
+        m = metrics.get(key)
+        if m:
+            rows.append((label, ", ".join(f"{k} {m[k]}" for k in ("loss", "exact_match", "rougeL", "bleu") if k in m)))
+    return rows
 
 
 def _int8_rows(report: dict) -> list[tuple[str, str]]:
