@@ -29,12 +29,10 @@ def onnx_bytes(d: Path) -> int:
 
 def score(export_dir: Path, rows: list[dict]) -> dict:
     from t5compress import metrics
+    from t5compress.quantize.check import greedy_outputs
     from t5compress.runtime import load_runtime
 
-    rt = load_runtime(export_dir, threads=1)
-    preds = []
-    for i in range(0, len(rows), 32):
-        preds += [t.strip() for t in rt.generate_text([r["source"] for r in rows[i : i + 32]], max_new_tokens=32)]
+    preds = greedy_outputs(load_runtime(export_dir, threads=1), [r["source"] for r in rows])
     return {**metrics.compute(preds, [r["target"] for r in rows]), "predictions": preds}
 
 
