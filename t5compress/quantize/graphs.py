@@ -93,16 +93,14 @@ def untie_embeddings(src: Path, dst: Path) -> bool:
 
 
 def share_lm_head_table(path: Path) -> int:
-    """In a quantized graph, point each embedding lookup at the LM head's int8 matrix; returns bytes saved.
+    """In a quantized graph, make each embedding lookup read the LM head's int8 matrix; returns bytes saved.
 
     `untie_embeddings` gave the lookup its own copy so that ONNX Runtime's quantizer could treat the two consumers
     differently; once quantized, the LM head's int8 matrix (one scale per vocabulary entry) is as good a table for the
-    lookup as the copy, so the copy goes and a DequantizeLinear of the LM head's matrix feeds the Gather. On disk the
-    tied matrix is then stored once, in int8. ONNX Runtime gives each consumer of that DequantizeLinear its own copy
-    when it loads the graph, so the LM head keeps its int8 kernel.
+    lookup as the copy, so the copy goes: the lookup gathers the int8 columns of the ids it needs and multiplies them
+    by their own scales. On disk the tied matrix is then stored once, in int8, and no step dequantizes the whole
+    table (a DequantizeLinear of the full matrix feeding the Gather made every t5-small decoder step ~6x slower).
     """
-    from onnx import helper
-
     model = onnx.load(str(path))
     inits = {t.name: t for t in model.graph.initializer}
     producers = {o: n for n in model.graph.node for o in n.output}
@@ -114,27 +112,25 @@ def share_lm_head_table(path: Path) -> int:
     for node in list(model.graph.node):
         if node.op_type != "Gather" or EMBEDDING not in node.name:
             continue
-        if node.input[0].endswith("_embedding_quantized"):  # dynamic: the lookup reads int8 and dequantizes after
-            saved += _share_dynamic(model, node, inits, users, dead)
-            continue
-        dq = producers.get(node.input[0])
-        copy = dq.input[0] if dq is not None and dq.op_type == "DequantizeLinear" else ""
-        if not copy.endswith("_embedding_quantized") or users.get(dq.output[0], 0) != 1:
-            continue
-        base = copy[: -len("_embedding_quantized")]
-        table, scale, zero = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
-        if not all(n in inits for n in (table, scale, zero)) or inits[table].dims != inits[copy].dims:
-            continue
-        out = f"{base}_lookup_table"
-        per_row = len(inits[scale].dims) == 1 and inits[scale].dims[0] > 1
-        model.graph.node.append(helper.make_node("DequantizeLinear", [table, scale, zero], [out],
-                                                 name=f"{base}_lookup_DequantizeLinear", **({"axis": 1} if per_row
-                                                                                            else {})))
-        node.input[0] = out
-        dead.add(dq.name)
-        if users.get(copy, 0) == 1:
-            saved += len(inits[copy].raw_data)
-            model.graph.initializer.remove(inits[copy])
+        if node.input[0].endswith("_embedding_quantized"):  # dynamic: Gather(int8 copy) -> DequantizeLinear
+            after = [n for n in model.graph.node if node.output[0] in n.input]
+            if len(after) != 1 or after[0].op_type != "DequantizeLinear":
+                continue
+            copy, dq, out = node.input[0], after[0], after[0].output[0]
+        else:  # static: DequantizeLinear(int8 copy) -> Gather
+            dq = producers.get(node.input[0])
+            copy = dq.input[0] if dq is not None and dq.op_type == "DequantizeLinear" else ""
+            if not copy.endswith("_embedding_quantized") or users.get(dq.output[0], 0) != 1:
+                continue
+            out = node.output[0]
+            node.output[0] = f"{out}_int8"
+        if _gather_scaled(model, node, copy, out, inits):
+            dead.add(dq.name)
+            if users.get(copy, 0) == 1:
+                saved += len(inits[copy].raw_data)
+                model.graph.initializer.remove(inits[copy])
+        elif node.output[0] != out:
+            node.output[0] = out
     if not dead:
         return 0
     kept = [n for n in model.graph.node if n.name not in dead]
@@ -144,32 +140,33 @@ def share_lm_head_table(path: Path) -> int:
     return saved
 
 
-def _share_dynamic(model: onnx.ModelProto, node, inits: dict, users: dict, dead: set) -> int:
-    """Dynamic int8: Gather the LM head's int8 columns and their per-entry scales; returns bytes saved."""
+def _gather_scaled(model: onnx.ModelProto, node, copy: str, out: str, inits: dict) -> bool:
+    """Point lookup `node` at the LM head's int8 (d_model, vocab) table and write `out` = its columns x their scales.
+
+    Only for a symmetric table (zero points 0) whose scale is one per vocabulary entry or one for all; else False
+    and the graph is left as it was."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    copy = node.input[0]
     base = copy[: -len("_embedding_quantized")]
     table, scale, zero = f"{base}_quantized", f"{base}_scale", f"{base}_zero_point"
-    after = [n for n in model.graph.node if node.output[0] in n.input]
-    if (not all(n in inits for n in (table, scale, zero)) or inits[table].dims != inits[copy].dims or len(after) != 1
-            or after[0].op_type != "DequantizeLinear" or len(inits[scale].dims) != 1
-            or np.any(numpy_helper.to_array(inits[zero]) != 0)):
-        return 0
-    dq = after[0]
-    node.input[0] = table  # (d_model, vocab) int8, one scale per vocabulary entry
+    if not all(n in inits for n in (table, scale, zero)) or inits[table].dims != inits[copy].dims:
+        return False
+    dims = list(inits[scale].dims)
+    if np.any(numpy_helper.to_array(inits[zero]) != 0) or len(dims) > 1 or (
+            dims and dims[0] not in (1, inits[table].dims[1])):
+        return False
+    node.input[0] = table
     cast, picked = f"{base}_lookup_float", f"{base}_lookup_scale"
-    model.graph.node.extend([
-        helper.make_node("Cast", [node.output[0]], [cast], name=f"{base}_lookup_Cast", to=TensorProto.FLOAT),
-        helper.make_node("Gather", [scale, node.input[1]], [picked], name=f"{base}_lookup_scale_Gather", axis=0),
-        helper.make_node("Mul", [cast, picked], [dq.output[0]], name=f"{base}_lookup_Mul"),  # (d, b, l) x (b, l)
-    ])
-    dead.add(dq.name)
-    if users.get(copy, 0) == 1:
-        model.graph.initializer.remove(inits[copy])
-        return len(inits[copy].raw_data)
-    return 0
+    per_entry = bool(dims) and dims[0] > 1
+    model.graph.node.append(helper.make_node("Cast", [node.output[0]], [cast], name=f"{base}_lookup_Cast",
+                                             to=TensorProto.FLOAT))
+    if per_entry:
+        model.graph.node.append(helper.make_node("Gather", [scale, node.input[1]], [picked],
+                                                 name=f"{base}_lookup_scale_Gather", axis=0))
+    model.graph.node.append(helper.make_node("Mul", [cast, picked if per_entry else scale], [out],
+                                             name=f"{base}_lookup_Mul"))  # (d, b, l) x (b, l)
+    return True
 
 
 def _topological(nodes: list) -> list:
