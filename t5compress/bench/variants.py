@@ -112,10 +112,15 @@ def _export(path: Path) -> dict | None:
     graphs = [f"{g}{ONNX_SUFFIX}" for g in (GRAPHS if layout == "separate" else (GRAPHS[0], DECODER_MERGED))]
     from t5compress.quantize.graphs import is_quantized
 
-    int8 = any(is_quantized(path / g) for g in graphs)
+    try:
+        int8 = any(is_quantized(path / g) for g in graphs)
+        files = onnx_files(path, graphs)
+    except Exception as e:  # noqa: BLE001 -- onnx raises DecodeError and friends on a damaged file
+        from t5compress.errors import first_line
+
+        raise ModelError(f"'{path}': cannot read its ONNX graphs ({type(e).__name__}: {first_line(e)[:100]})") from e
     label = "ONNX" + (" merged" if layout == "merged" else "")
-    return {"kind": "onnx", "precision": "int8" if int8 else "fp32", "files": onnx_files(path, graphs),
-            "label": label}
+    return {"kind": "onnx", "precision": "int8" if int8 else "fp32", "files": files, "label": label}
 
 
 def _ctranslate2(path: Path) -> dict | None:
