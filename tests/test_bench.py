@@ -175,6 +175,32 @@ def test_edge_profile_reports_cpu_features_and_the_arm64_preset(tiny_variants, t
     assert "## Edge profile" in md and "U8S8" in md and "asimddp" in md
 
 
+def test_variant_kinds_lineage_and_files(tiny_model_dir, tiny_variants, demo_jsonl, tmp_path):
+    from t5compress.bench.variants import resolve
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+    from t5compress.prune.stage import PruneConfig
+    from t5compress.prune.stage import run as prune
+
+    export(tiny_model_dir, ExportConfig(decoders="merged"), tmp_path / "merged")
+    v = resolve(f"m={tmp_path / 'merged'}")
+    assert (v.kind, v.precision, v.files) == ("onnx", "fp32", ["encoder_model.onnx", "decoder_model_merged.onnx"])
+    assert v.label == "ONNX merged fp32" and v.size_bytes == sum((tmp_path / "merged" / f).stat().st_size
+                                                                 for f in v.files)
+    export(tiny_model_dir, ExportConfig(format="torchscript"), tmp_path / "ts")
+    v = resolve(str(tmp_path / "ts"))
+    assert (v.name, v.kind, v.owner) == ("ts", "torchscript", "ours") and len(v.files) == 3
+    prune(tiny_model_dir, PruneConfig(calib_data=str(demo_jsonl), heads=0.5, ffn=0.5, criterion="magnitude",
+                                      calib_examples=8, eval_max_examples=2, latency_examples=0),
+          tmp_path / "pruned", progress=False)
+    export(tmp_path / "pruned", ExportConfig(), tmp_path / "pruned-onnx")
+    v = resolve(str(tmp_path / "pruned-onnx"))
+    assert v.pruned and v.lineage[:2] == ["export", "prune"] and v.label == "ONNX fp32 (pruned)"
+    v = resolve(str(tiny_variants["int8"]))
+    assert (v.precision, v.label, v.lineage[:2]) == ("int8", "ONNX int8 dynamic", ["quantize", "export"])
+    assert resolve(str(tiny_model_dir)).owner == "baseline"
+
+
 def test_cpu_features_of_an_arm64_board():
     info = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 asimddp i8mm\nCPU part\t: 0xd0b\n"
     f = cpu_features(info, machine="aarch64")
