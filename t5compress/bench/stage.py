@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -146,7 +147,8 @@ def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, bar: _Bar) 
     if timed_out:
         return {"error": f"timed out after {cfg.timeout_s} s (--timeout-s)"}
     if rc != 0 or result is None:
-        return {"error": f"worker exited with code {rc}: {_last_error(tmp / 'logs' / f'{v.name}.log')}"}
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        return {"error": f"worker {how}: {_last_error(tmp / 'logs' / f'{v.name}.log')}"}
     return result
 
 
