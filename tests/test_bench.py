@@ -175,18 +175,29 @@ def test_edge_profile_reports_cpu_features_and_the_arm64_preset(tiny_variants, t
     assert "## Edge profile" in md and "U8S8" in md and "asimddp" in md
 
 
-def test_variant_kinds_lineage_and_files(tiny_model_dir, tiny_variants, demo_jsonl, tmp_path):
+def test_variant_kinds_lineage_and_files(tiny_model_dir, tiny_variants, tmp_path):
     from t5compress.bench.variants import resolve
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
-    from t5compress.prune.stage import PruneConfig
-    from t5compress.prune.stage import run as prune
 
     export(tiny_model_dir, ExportConfig(decoders="merged"), tmp_path / "merged")
     v = resolve(f"m={tmp_path / 'merged'}")
     assert (v.kind, v.precision, v.files) == ("onnx", "fp32", ["encoder_model.onnx", "decoder_model_merged.onnx"])
     assert v.label == "ONNX merged fp32" and v.size_bytes == sum((tmp_path / "merged" / f).stat().st_size
                                                                  for f in v.files)
+    v = resolve(str(tiny_variants["int8"]))
+    assert (v.precision, v.label, v.lineage[:2]) == ("int8", "ONNX int8 dynamic", ["quantize", "export"])
+    assert resolve(str(tiny_model_dir)).owner == "baseline"
+
+
+@pytest.mark.slow  # ~35 s on a loaded 2-core machine: a TorchScript export, a prune and a second export
+def test_torchscript_and_pruned_variants(tiny_model_dir, demo_jsonl, tmp_path):
+    from t5compress.bench.variants import resolve
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+    from t5compress.prune.stage import PruneConfig
+    from t5compress.prune.stage import run as prune
+
     export(tiny_model_dir, ExportConfig(format="torchscript"), tmp_path / "ts")
     v = resolve(str(tmp_path / "ts"))
     assert (v.name, v.kind, v.owner) == ("ts", "torchscript", "ours") and len(v.files) == 3
@@ -196,9 +207,6 @@ def test_variant_kinds_lineage_and_files(tiny_model_dir, tiny_variants, demo_jso
     export(tmp_path / "pruned", ExportConfig(), tmp_path / "pruned-onnx")
     v = resolve(str(tmp_path / "pruned-onnx"))
     assert v.pruned and v.lineage[:2] == ["export", "prune"] and v.label == "ONNX fp32 (pruned)"
-    v = resolve(str(tiny_variants["int8"]))
-    assert (v.precision, v.label, v.lineage[:2]) == ("int8", "ONNX int8 dynamic", ["quantize", "export"])
-    assert resolve(str(tiny_model_dir)).owner == "baseline"
 
 
 def test_cpu_features_of_an_arm64_board():
