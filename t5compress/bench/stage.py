@@ -46,7 +46,7 @@ def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = Fa
     cfg = effective(cfg)
     entries = resolve_all([str(v) for v in variants])
     base = next((v for v in entries if v.kind == "pytorch"), None)
-    clash = [v.name for v in entries if v.name in cfg.peer_names]
+    clash = [v.name for v in entries if v.name in cfg.peer_names and v.name != "pytorch"]  # that peer is a variant
     if clash:
         raise ConfigError(f"variant name {clash[0]!r} is also a peer's name; name it otherwise (NAME=PATH)")
     if cfg.peer_names and base is None:
