@@ -112,7 +112,9 @@ def test_accuracy_agreement_memory_and_cold_start(bench_run):
     # well below the PyTorch worker's (a shared or inherited measurement would make them equal).
     assert e["onnx"]["peak_rss_mb"] < e["pt"]["peak_rss_mb"] - 50
     # No peers in this run: the goals say so instead of claiming anything.
-    assert all(c["goals"]["int8"]["status"] == "not measured" for c in r["goals"]["cells"])
+    for c in r["goals"]["cells"]:
+        assert c["goals"]["int8"] == {**c["goals"]["int8"], "status": "not measured", "why": "no int8 peer (--peers)"}
+        assert c["goals"]["pruned+int8"]["why"] == "no pruned+int8 variant of ours; no int8 peer (--peers)"
 
 
 def test_a_variant_that_crashes_becomes_an_error_entry(tiny_variants, tmp_path):
@@ -232,6 +234,8 @@ def test_bad_inputs_get_one_line_and_nothing_written(tiny_variants, tmp_path):
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out), "--peers", "ctranslate2-int8"],
          "no variant is one", out)
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out), "--peers", "tensorrt"], "unknown peer", out)
+    _bad(["bench", str(tiny_variants["pt"]), f"ctranslate2-int8={tiny_variants['int8']}", "--out", str(out),
+          "--peers", "ctranslate2-int8"], "also a peer's name", out)
     out.mkdir()
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out)], "already exists", out)
     assert list(out.iterdir()) == []
