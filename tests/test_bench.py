@@ -236,6 +236,8 @@ def test_bad_inputs_get_one_line_and_nothing_written(tiny_variants, tmp_path):
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out), "--peers", "tensorrt"], "unknown peer", out)
     _bad(["bench", str(tiny_variants["pt"]), f"ctranslate2-int8={tiny_variants['int8']}", "--out", str(out),
           "--peers", "ctranslate2-int8"], "also a peer's name", out)
+    _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out), "--data", str(tmp_path / "none.jsonl")],
+         "does not exist", out)
     out.mkdir()
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out)], "already exists", out)
     assert list(out.iterdir()) == []
