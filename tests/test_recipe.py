@@ -1,0 +1,172 @@
+"""Recipes: validation before anything runs (through the library and the CLI), and a tiny chain run end to end,
+rerun (every stage skipped) and changed (the changed stage and those after it rerun, not those before)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from t5compress import recipe
+from t5compress.cli import app
+from t5compress.recipe import RecipeError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
+runner = CliRunner()
+
+
+def tiny(out: Path, **changes: dict) -> dict:
+    """A tiny chain: generated data, a new 2-layer T5, a few training steps, ONNX export, static int8."""
+    doc = {
+        "name": "tiny",
+        "out": str(out),
+        "stages": {
+            "data": {"generate": "demo", "train_examples": 120, "eval_examples": 16},
+            "model-init": {"stage": "create", "arch": "t5-efficient-tiny", "vocab_size": 200,
+                           "overrides": {"d_model": 32, "d_ff": 64, "num_heads": 2, "d_kv": 16, "num_layers": 1,
+                                         "num_decoder_layers": 1}},
+            "model": {"stage": "train", "max_steps": 4, "batch_size": 8, "eval_every": 0, "eval_max_examples": 8,
+                      "max_source_length": 24, "max_target_length": 16, "eval_max_new_tokens": 8},
+            "onnx": {"stage": "export", "max_new_tokens": 4},
+            "int8": {"stage": "quantize", "samples": 8, "batch_size": 8, "max_new_tokens": 4, "min_agreement": 0.0},
+        },
+    }
+    for sid, settings in changes.items():
+        doc["stages"][sid] = {**doc["stages"].get(sid, {}), **settings}
+    return doc
+
+
+def write(path: Path, doc: dict) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def error_of(tmp_path: Path, doc: dict) -> str:
+    with pytest.raises(RecipeError) as e:
+        recipe.load(write(tmp_path / "r.yaml", doc))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_recipe_validates(path):
+    r = recipe.load(path)
+    assert r.stages[-1].kind.name == "bench" and r.out == Path("runs") / path.stem
+    assert len(recipe.plan(r)) == len(r.stages)
+
+
+def test_shipped_recipes_say_what_the_issue_asks():
+    assert {p.stem for p in SHIPPED} >= {"quickstart", "t5-small-int8", "t5-efficient-small-el2-pruned-int8",
+                                         "flan-t5-gated-wo-fp32"}
+    flan = recipe.load(ROOT / "recipes" / "flan-t5-gated-wo-fp32.yaml")
+    assert "wo" in flan.stage("int8").config.keep_fp32
+    el2 = recipe.load(ROOT / "recipes" / "t5-efficient-small-el2-pruned-int8.yaml")
+    assert el2.stage("pruned").config.recover is not None
+    assert [s.kind.name for s in el2.stages].count("quantize") >= 1
+
+
+def test_the_embedded_quickstart_is_recipes_quickstart():
+    assert recipe.QUICKSTART.read_bytes() == (ROOT / "recipes" / "quickstart.yaml").read_bytes()
+    r = recipe.load(recipe.QUICKSTART)
+    assert [s.kind.name for s in r.stages][:5] == ["data", "create", "train", "export", "quantize"]
+    assert not any(s.kind.name in ("load",) for s in r.stages)  # no download
+
+
+def test_a_typo_is_rejected_through_the_cli_with_the_closest_key(tmp_path):
+    path = write(tmp_path / "typo.yaml", tiny(tmp_path / "out", model={"max_stepz": 5}))
+    res = runner.invoke(app, ["run", str(path)])
+    assert res.exit_code == 2
+    assert res.output.strip().count("\n") == 0, res.output  # one line
+    assert "model.max_stepz: unknown key; did you mean 'max_steps'?" in res.output
+    assert not (tmp_path / "out").exists()  # validated before anything runs
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"model": {"max_steps": -1}}, "model.max_steps: must be >= 0"),  # the config's own check
+    ({"model": {"lr": "fast"}}, "model.lr: expected a number, got str 'fast'"),
+    ({"model": {"metric": "acc"}}, "model.metric: choose one of"),
+    ({"int8": {"mode": "static", "calib_data": None}}, "int8.calib_data: static quantization needs"),
+    ({"pruned": {"stage": "prune", "input": "model", "heads": 0.5, "recover": {"max_stepz": 3}}},
+     "pruned.recover.max_stepz: unknown key; did you mean 'max_steps'?"),
+    ({"onnx": {"stage": "exprot"}}, "onnx: unknown stage 'exprot'; did you mean 'export'?"),
+    ({"pre": {"stage": "pretrain"}}, "pre: stage 'pretrain' has not landed"),
+    ({"q2": {"stage": "quantize", "input": "model"}}, "q2.input: 'model' gives a model; a quantize stage reads"),
+    ({"q2": {"stage": "quantize", "input": "nope"}}, "q2.input: no stage 'nope' before this one"),
+    ({"model-init": {"text": None, "tokenizer": "unigram"}, "data": None}, "a train stage reads"),
+])
+def test_bad_recipes_are_one_line_naming_stage_and_key(tmp_path, change, needle):
+    doc = tiny(tmp_path / "out")
+    for sid, settings in change.items():
+        if settings is None:
+            del doc["stages"][sid]
+        else:
+            doc["stages"][sid] = {**doc["stages"].get(sid, {}), **settings}
+    if "data" not in doc["stages"]:  # no data at all: create's tokenizer text and train's data are missing
+        doc["stages"]["model-init"]["tokenizer"] = "byte"
+        doc["stages"] = {k: v for k, v in doc["stages"].items() if k != "model-init"} | {
+            "model-init": doc["stages"]["model-init"]}
+    msg = error_of(tmp_path, doc)
+    assert needle in msg and "\n" not in msg, msg
+
+
+def test_stages_out_of_order_and_missing_inputs_are_rejected(tmp_path):
+    doc = tiny(tmp_path / "out")
+    stages = doc["stages"]
+    doc["stages"] = {k: stages[k] for k in ("data", "model-init", "onnx", "model", "int8")}
+    assert "model: a train stage cannot come after 'onnx' (export)" in error_of(tmp_path, doc)
+    doc["stages"] = {"data": stages["data"], "int8": stages["int8"]}
+    assert "int8: a quantize stage reads a export, and no stage before it gives one" in error_of(tmp_path, doc)
+    doc["stages"] = {"data": stages["data"], "model-init": stages["model-init"], "model": {"stage": "train"}}
+    doc["stages"]["data2"] = {"stage": "data", "generate": "demo"}
+    assert "a recipe has one data stage" in error_of(tmp_path, doc)
+    assert "stages.nmae: unknown key; did you mean 'name'" not in error_of(tmp_path, {**doc, "nmae": 1})
+    assert "nmae: unknown key; did you mean 'name'?" in error_of(tmp_path, {**doc, "nmae": 1})
+
+
+def test_duplicate_stage_ids_are_rejected(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("name: x\nout: o\nstages:\n  data: {generate: demo}\n  data: {generate: demo}\n")
+    with pytest.raises(RecipeError, match="line 5: key 'data' given twice"):
+        recipe.load(path)
+
+
+@pytest.mark.slow
+def test_a_tiny_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path):
+    out = tmp_path / "out"
+    path = write(tmp_path / "tiny.yaml", tiny(out))
+    res = runner.invoke(app, ["run", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "ran 5, skipped 0" in res.output
+    state = json.loads((out / "recipe.json").read_text())
+    assert list(state["stages"]) == ["data", "model-init", "model", "onnx", "int8"]
+    export = json.loads((out / "onnx" / "report.json").read_text())
+    assert max(export["parity"]["max_abs_diff"].values()) < 1e-4  # the export matches PyTorch
+    int8 = json.loads((out / "int8" / "report.json").read_text())
+    assert int8["size"]["int8_bytes"] < 0.6 * int8["size"]["fp32_bytes"]
+    assert len((out / "data" / "train.jsonl").read_text().splitlines()) == 120
+    assert json.loads((out / "model" / "report.json").read_text())["train"]["steps"] == 4
+
+    # A rerun skips every stage (the outputs are complete and nothing changed).
+    again = recipe.run(recipe.load(path), progress=False)
+    assert again["ran"] == [] and len(again["skipped"]) == 5
+    assert all(r["why"] == "done, unchanged" for r in again["stages"])
+
+    # A changed training setting reruns train and what reads it, not data or create.
+    write(path, tiny(out, model={"max_steps": 6}))
+    rows = {r["id"]: r["why"] for r in recipe.plan(recipe.load(path))}
+    assert rows == {"data": "done, unchanged", "model-init": "done, unchanged", "model": "settings changed",
+                    "onnx": "input 'model' reruns", "int8": "input 'onnx' reruns"}
+    dry = runner.invoke(app, ["run", str(path), "--dry-run"])
+    assert dry.exit_code == 0 and "3 of 5 stages to run" in dry.output
+    assert json.loads((out / "model" / "report.json").read_text())["train"]["steps"] == 4  # dry run ran nothing
+    third = recipe.run(recipe.load(path), progress=False)
+    assert third["ran"] == ["model", "onnx", "int8"] and third["skipped"] == ["data", "model-init"]
+    assert json.loads((out / "model" / "report.json").read_text())["train"]["steps"] == 6
+
+    # A change to the last stage reruns only it; --force reruns everything.
+    write(path, tiny(out, model={"max_steps": 6}, int8={"samples": 12}))
+    assert recipe.run(recipe.load(path), progress=False)["ran"] == ["int8"]
+    assert [r["action"] for r in recipe.plan(recipe.load(path), force=True)] == ["run"] * 5
