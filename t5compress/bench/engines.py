@@ -1,0 +1,128 @@
+"""How each kind of variant is loaded and asked to generate, inside the bench worker process.
+
+A loader is `load(path, threads, settings) -> generate`, where `generate(ids, mask, max_new, min_new, beams)` returns
+each input row's new tokens (the decoder start token dropped, cut after the first EOS, no padding). Lengths are
+forced by passing `min_new == max_new`; the worker checks that every engine really produced that many. Libraries are
+imported inside the loaders: the ONNX path of our runtime never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+Generate = Callable[[np.ndarray, np.ndarray, int, int, int], list[list[int]]]
+Loader = Callable[[Path, int, dict], Generate]
+
+
+def trim(rows: np.ndarray, eos: tuple[int, ...], skip_first: bool = True) -> list[list[int]]:
+    """(batch, len) ids from a `generate` -> each row's new tokens up to and including its first EOS."""
+    out = []
+    for row in rows.tolist():
+        row = row[1:] if skip_first else row
+        for i, t in enumerate(row):
+            if t in eos:
+                row = row[: i + 1]
+                break
+        out.append(row)
+    return out
+
+
+def _eos(settings: dict) -> tuple[int, ...]:
+    return tuple(settings.get("eos", (1,)))
+
+
+# ---------------------------------------------------------------- PyTorch and the Hugging Face style `generate`s
+def hf_generate(model, settings: dict, extra: dict | None = None) -> Generate:
+    import torch
+
+    eos = _eos(settings)
+
+    def generate(ids, mask, max_new, min_new, beams):
+        with torch.inference_mode():
+            out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                 max_new_tokens=max_new, min_new_tokens=min_new, num_beams=beams, do_sample=False,
+                                 **(extra or {}))
+        return trim(out.numpy(), eos)
+    return generate
+
+
+def load_pytorch(path: Path, threads: int, settings: dict) -> Generate:
+    import torch
+
+    from t5compress.evaluation import generate_kwargs
+    from t5compress.models import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model(path)
+    return hf_generate(model, settings, generate_kwargs(model))  # dynamic_full cache: el2's decoder depth differs
+
+
+# ---------------------------------------------------------------- ours (ONNX Runtime or TorchScript graphs)
+def load_ours(path: Path, threads: int, settings: dict) -> Generate:
+    from t5compress.runtime import load_runtime
+
+    rt = load_runtime(path, threads=threads, max_input_tokens=None)
+    eos = _eos(settings)
+
+    def generate(ids, mask, max_new, min_new, beams):
+        return trim(rt.generate(ids, mask, max_new_tokens=max_new, min_new_tokens=min_new, num_beams=beams), eos)
+    return generate
+
+
+# ---------------------------------------------------------------- optimum (ONNX Runtime)
+def load_optimum(path: Path, threads: int, settings: dict) -> Generate:
+    import onnxruntime as ort
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # fair: the setting ours uses
+    model = ORTModelForSeq2SeqLM.from_pretrained(path, use_merged=False, use_cache=True, session_options=so)
+    return hf_generate(model, settings)
+
+
+# ---------------------------------------------------------------- CTranslate2
+def load_ctranslate2(path: Path, threads: int, settings: dict) -> Generate:
+    import ctranslate2
+
+    compute = settings.get("compute_type", "int8")
+    tr = ctranslate2.Translator(str(path), device="cpu", compute_type=compute, inter_threads=1, intra_threads=threads)
+    vocab = _ct2_vocab(path)
+    index = {tok: i for i, tok in enumerate(vocab)}
+    eos = _eos(settings)
+
+    def generate(ids, mask, max_new, min_new, beams):
+        tokens = [[vocab[i] for i in row[m.astype(bool)].tolist()] for row, m in zip(ids, mask, strict=True)]
+        res = tr.translate_batch(tokens, beam_size=beams, num_hypotheses=1, max_decoding_length=max_new,
+                                 min_decoding_length=min_new, max_batch_size=0, return_end_token=True)
+        rows = [[index[t] for t in r.hypotheses[0]] for r in res]
+        return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
+    return generate
+
+
+def _ct2_vocab(path: Path) -> list[str]:
+    for name in ("shared_vocabulary.json", "source_vocabulary.json"):
+        if (path / name).is_file():
+            return json.loads((path / name).read_text())
+    for name in ("shared_vocabulary.txt", "source_vocabulary.txt"):
+        if (path / name).is_file():
+            return (path / name).read_text(encoding="utf-8").split("\n")
+    raise FileNotFoundError(f"no vocabulary file in {path}")
+
+
+# ---------------------------------------------------------------- OpenVINO (optimum-intel)
+def load_openvino(path: Path, threads: int, settings: dict) -> Generate:
+    from optimum.intel import OVModelForSeq2SeqLM
+
+    ov_config = {"INFERENCE_NUM_THREADS": str(threads), "PERFORMANCE_HINT": "LATENCY", "CACHE_DIR": ""}
+    return hf_generate(OVModelForSeq2SeqLM.from_pretrained(path, ov_config=ov_config), settings)
+
+
+LOADERS: dict[str, Loader] = {
+    "pytorch": load_pytorch, "onnx": load_ours, "torchscript": load_ours, "optimum": load_optimum,
+    "ctranslate2": load_ctranslate2, "openvino": load_openvino,
+}

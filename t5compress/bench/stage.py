@@ -1,0 +1,220 @@
+"""The bench stage: every variant (and the peers) measured on one grid, each in its own process; one report.
+
+    run(["pt=runs/model", "int8=runs/int8"], BenchConfig(data="eval.jsonl", peers=("all",)), "runs/bench")
+
+Writes OUT/bench.json (returned as a dict), OUT/report.md, OUT/pareto.png, OUT/sizes.png, OUT/latency_vs_batch.png,
+OUT/peers/ (the peers prepared from the first PyTorch variant) and OUT/logs/ (each worker's stderr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import t5compress
+from t5compress import artifacts
+from t5compress.bench.config import BenchConfig
+from t5compress.bench.inputs import Inputs, build
+from t5compress.bench.variants import Variant, resolve_all
+from t5compress.errors import ConfigError, first_line
+
+log = logging.getLogger(__name__)
+WORKER = "t5compress.bench.worker"
+EVAL_BATCH = 16
+
+
+def effective(cfg: BenchConfig) -> BenchConfig:
+    """The edge profile's grid: 1 and 2 threads (whatever --threads said)."""
+    return dataclasses.replace(cfg, threads=(1, 2)) if cfg.edge else cfg
+
+
+def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = False, progress: bool = True) -> dict:
+    """Measure `variants` (paths or NAME=PATH) as `cfg` says; write OUT atomically; return the report."""
+    from t5compress.bench import report as reporting
+
+    started = time.perf_counter()
+    out = artifacts.check_output(out, force)
+    cfg = effective(cfg)
+    entries = resolve_all(list(variants))
+    base = next((v for v in entries if v.kind == "pytorch"), None)
+    if cfg.peer_names and base is None:
+        raise ConfigError("--peers are prepared from a PyTorch model dir, and no variant is one; add the model dir "
+                          "the exports came from")
+    first = entries[0].name  # agreement is measured against the first variant given, whatever the order below
+    if cfg.edge:  # int8 first: what an edge box would run
+        entries.sort(key=lambda v: v.precision != "int8")
+    for v in entries:
+        if v.kind == "ctranslate2":
+            v.settings.setdefault("compute_type", "int8" if v.precision == "int8" else "default")
+    with artifacts.staged_output(out, force) as tmp:
+        inputs = build(cfg, [v.path for v in entries])
+        (tmp / "logs").mkdir()
+        inputs.save(tmp / "inputs.npz")
+        with _Bar(progress) as bar:
+            peers, skipped = prepare_peers(cfg, base, tmp, bar) if base else ([], {})
+            results = {v.name: measure(v, cfg, inputs, tmp, bar) for v in [*entries, *peers]}
+        (tmp / "inputs.npz").unlink()
+        report = reporting.assemble(cfg, [*entries, *peers], results, inputs, skipped, first, out, tmp)
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        if cfg.plots:
+            from t5compress.bench.plots import write_plots
+
+            report["plots"] = write_plots(report, tmp)
+        artifacts.write_json(tmp / "bench.json", report)
+        (tmp / "report.md").write_text(reporting.markdown(report))
+    log.info("bench written to %s", out)
+    return report
+
+
+def prepare_peers(cfg: BenchConfig, base: Variant, tmp: Path, bar: _Bar) -> tuple[list[Variant], dict[str, str]]:
+    """Each asked-for peer prepared into tmp/peers/NAME (here, else under cfg.peer_python); reasons for the rest."""
+    from t5compress.bench.peers import REGISTRY
+
+    peers, skipped = [], {}
+    (tmp / "peers").mkdir()
+    task = bar.add("preparing peers", len(cfg.peer_names))
+    for name in cfg.peer_names:
+        peer = REGISTRY[name]
+        settings = {**peer.settings, **locked_settings(cfg)}
+        if name == "pytorch":  # the baseline is the first PyTorch variant itself, run with transformers' generate
+            base.settings.update(settings)
+            base.label = f"{base.label} ({peer.label})"
+            bar.advance(task)
+            continue
+        dest, info, why = tmp / "peers" / name, None, []
+        for python in dict.fromkeys(p for p in (sys.executable, cfg.peer_python) if p):
+            rc, timed_out, info = _spawn(python, ["prepare", name, str(base.path), str(dest)], tmp, f"prepare-{name}",
+                                         cfg.timeout_s, lambda e: None)
+            if info and "missing" not in info and rc == 0:
+                break
+            why.append(f"{Path(python).parent.parent.name or python}: " + (
+                info["missing"] if info and "missing" in info else
+                f"timed out after {cfg.timeout_s} s" if timed_out else
+                f"preparation failed: {_last_error(tmp / 'logs' / f'prepare-{name}.log')}"))
+            info = None
+        bar.advance(task)
+        if info is None:
+            skipped[name] = "; ".join(why) + ("" if cfg.peer_python else " (give --peer-python, e.g. "
+                                                                          ".venv-bench/bin/python)")
+            continue
+        if info.get("settings"):
+            settings.update(info["settings"])
+        if info.get("note"):
+            settings["prepared"] = info["note"]
+        peers.append(Variant(name=name, path=dest, kind=peer.kind, precision=peer.precision, label=peer.label,
+                             role="peer", owner="peer", lineage=["peer"], files=info["files"], settings=settings,
+                             python=None if python == sys.executable else python))
+    return peers, skipped
+
+
+def locked_settings(cfg: BenchConfig) -> dict:
+    return {"threads": list(cfg.threads), "beams": list(cfg.beams), "input_tokens": cfg.input_tokens,
+            "output_tokens": f"{cfg.output_tokens} forced (min_new_tokens = max_new_tokens)", "do_sample": False}
+
+
+def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, bar: _Bar) -> dict:
+    """One worker process for `v`; its result, or {'error': one line} when it crashed or ran out of time."""
+    job = {"variant": {"kind": v.kind, "path": str(v.path), "settings": v.settings}, "threads": list(cfg.threads),
+           "batch_sizes": list(cfg.batch_sizes), "beams": list(cfg.beams), "output_tokens": cfg.output_tokens,
+           "repeats": cfg.repeats, "warmup": cfg.warmup, "eos": list(inputs.eos), "inputs": str(tmp / "inputs.npz"),
+           "max_new_tokens": cfg.max_new_tokens, "eval_batch": EVAL_BATCH}
+    job_file = tmp / "logs" / f"{v.name}.job.json"
+    job_file.write_text(json.dumps(job))
+    total = len(cfg.threads) * len(cfg.batch_sizes) * len(cfg.beams) + 1
+    task = bar.add(f"{v.name}", total)
+
+    def on_event(e: dict) -> None:
+        if e.get("event") == "progress":
+            bar.update(task, e["done"], f"{v.name}: {e.get('what', '')}")
+
+    rc, timed_out, result = _spawn(v.python or sys.executable, ["measure", str(job_file)], tmp, v.name,
+                                   cfg.timeout_s, on_event)
+    job_file.unlink()
+    bar.update(task, total, v.name)
+    if timed_out:
+        return {"error": f"timed out after {cfg.timeout_s} s (--timeout-s)"}
+    if rc != 0 or result is None:
+        return {"error": f"worker exited with code {rc}: {_last_error(tmp / 'logs' / f'{v.name}.log')}"}
+    return result
+
+
+def _spawn(python: str, args: list[str], tmp: Path, name: str, timeout_s: int, on_event) -> tuple:
+    """Run the worker; stream its events to `on_event`; -> (exit code, timed out, result dict or None)."""
+    result_file = tmp / "logs" / f"{name}.result.json"
+    env = dict(os.environ)
+    root = str(Path(t5compress.__file__).resolve().parent.parent)  # this t5compress, also under another venv
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with open(tmp / "logs" / f"{name}.log", "w") as logf:
+        proc = subprocess.Popen([python, "-m", WORKER, *args, str(result_file)], stdout=subprocess.PIPE,
+                                stderr=logf, stdin=subprocess.DEVNULL, text=True, env=env)
+        lines: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
+        reader.start()
+        deadline, timed_out = time.monotonic() + timeout_s, False
+        while True:
+            try:
+                line = lines.get(timeout=0.2)
+                try:
+                    on_event(json.loads(line))
+                except ValueError:
+                    pass
+            except queue.Empty:
+                if proc.poll() is not None and not reader.is_alive():
+                    break
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    timed_out = True
+                    break
+        rc = proc.wait()
+    result = json.loads(result_file.read_text()) if result_file.is_file() and not timed_out else None
+    result_file.unlink(missing_ok=True)
+    return rc, timed_out, result
+
+
+def _last_error(log_file: Path) -> str:
+    """The exception line of a worker's log (its last line that looks like one), else its last line."""
+    lines = [x.strip() for x in log_file.read_text(errors="replace").splitlines() if x.strip()] \
+        if log_file.is_file() else []
+    errors = [x for x in lines if ("Error" in x or "Exception" in x) and not x.startswith(("File ", "Traceback"))]
+    return first_line(Exception((errors or lines or ["no output"])[-1]))[:200]
+
+
+class _Bar:
+    """A rich progress bar, one line per variant; a no-op without progress."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.progress = enabled, None
+
+    def __enter__(self) -> _Bar:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn())
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress:
+            self.progress.__exit__(*exc)
+
+    def add(self, what: str, total: int):
+        return self.progress.add_task(what, total=total) if self.progress else None
+
+    def advance(self, task) -> None:
+        if self.progress:
+            self.progress.advance(task)
+
+    def update(self, task, done: int, what: str) -> None:
+        if self.progress:
+            self.progress.update(task, completed=done, description=what)

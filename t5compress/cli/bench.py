@@ -1,0 +1,111 @@
+"""`t5compress bench VARIANT... --out DIR [--data EVAL] [--peers all] [--edge]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from t5compress.bench.config import BenchConfig as B
+from t5compress.cli.common import Force, command, console, fail
+from t5compress.config import default_of as _d
+from t5compress.config import help_of as _h
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        fail(f"--{name}: give comma-separated integers, e.g. 1,8; got {text!r}")
+    return ()
+
+
+def _csv(values: tuple) -> str:
+    return ",".join(str(v) for v in values)
+
+
+@command
+def bench(
+    variants: Annotated[list[str], typer.Argument(
+        help="Variants: model dirs, ONNX / TorchScript export dirs (fp32, int8, QAT, pruned, merged), CTranslate2 "
+             "or OpenVINO dirs, each a PATH or NAME=PATH. The first is the reference of the agreement.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist unless --force).")],
+    data: Annotated[str | None, typer.Option(help=_h(B, "data"))] = None,
+    field: Annotated[str, typer.Option(help=_h(B, "field"))] = _d(B, "field"),
+    target_field: Annotated[str, typer.Option(help=_h(B, "target_field"))] = _d(B, "target_field"),
+    prefix: Annotated[str, typer.Option(help=_h(B, "prefix"))] = _d(B, "prefix"),
+    eval_max: Annotated[int, typer.Option(help=_h(B, "eval_max"))] = _d(B, "eval_max"),
+    max_new_tokens: Annotated[int, typer.Option(help=_h(B, "max_new_tokens"))] = _d(B, "max_new_tokens"),
+    batch_sizes: Annotated[str, typer.Option(help=_h(B, "batch_sizes") + " Comma-separated.")] = _csv(
+        _d(B, "batch_sizes")),
+    input_tokens: Annotated[int, typer.Option(help=_h(B, "input_tokens"))] = _d(B, "input_tokens"),
+    output_tokens: Annotated[int, typer.Option(help=_h(B, "output_tokens"))] = _d(B, "output_tokens"),
+    threads: Annotated[str, typer.Option(help=_h(B, "threads") + " Comma-separated.")] = _csv(_d(B, "threads")),
+    beams: Annotated[str, typer.Option(help=_h(B, "beams") + " Comma-separated.")] = _csv(_d(B, "beams")),
+    repeats: Annotated[int, typer.Option(help=_h(B, "repeats"))] = _d(B, "repeats"),
+    warmup: Annotated[int, typer.Option(help=_h(B, "warmup"))] = _d(B, "warmup"),
+    peers: Annotated[str, typer.Option(help=_h(B, "peers") + " Comma-separated.")] = "",
+    peer_python: Annotated[str | None, typer.Option(help=_h(B, "peer_python"))] = None,
+    edge: Annotated[bool, typer.Option("--edge", help=_h(B, "edge"))] = False,
+    timeout_s: Annotated[int, typer.Option(help=_h(B, "timeout_s"))] = _d(B, "timeout_s"),
+    plots: Annotated[bool, typer.Option(help=_h(B, "plots"))] = _d(B, "plots"),
+    seed: Annotated[int, typer.Option(help=_h(B, "seed"))] = _d(B, "seed"),
+    force: Force = False,
+) -> None:
+    """Measure every variant (and the peers) on one grid: latency, cold start, memory, size, accuracy; plots."""
+    from t5compress.bench.stage import run
+
+    cfg = B(data=data, field=field, target_field=target_field, prefix=prefix, eval_max=eval_max,
+            max_new_tokens=max_new_tokens, batch_sizes=_ints(batch_sizes, "batch-sizes"), input_tokens=input_tokens,
+            output_tokens=output_tokens, threads=_ints(threads, "threads"), beams=_ints(beams, "beams"),
+            repeats=repeats, warmup=warmup, peers=tuple(p.strip() for p in peers.split(",") if p.strip()),
+            peer_python=peer_python, edge=edge, timeout_s=timeout_s, plots=plots, seed=seed)
+    report = run(variants, cfg, out, force=force)
+    print_report(report, console)
+    console.print(f"bench report → [bold]{out}[/bold] (bench.json, report.md"
+                  + (", " + ", ".join(report.get("plots", [])) if report.get("plots") else "") + ")")
+
+
+def print_report(r: dict, con) -> None:
+    """One row per variant: size, cold start, memory, p50 per grid cell, accuracy; then the goals per cell."""
+    from rich.table import Table
+
+    from t5compress.bench.goals import cell_of
+    from t5compress.bench.report import decode_name, grid_of
+
+    keys, n = grid_of(r), r["settings"]["output_tokens"]
+    t = Table(title=f"bench: p50 ms per call, {r['settings']['input_tokens']} tokens in, {n} out (p90, p99 in "
+                    "report.md)", title_justify="left")
+    t.add_column("variant", no_wrap=True)
+    for col in ("what", "MB", "cold s", "RSS MB"):
+        t.add_column(col, justify="left" if col == "what" else "right")
+    for th, b, k in keys:
+        t.add_column(f"{th}t b{b} {decode_name(k)}", justify="right")
+    acc_key = "exact_match" if r["inputs"]["source"] != "generated sentences" else None
+    if acc_key:
+        t.add_column("EM", justify="right")
+    t.add_column("agree", justify="right")
+    for e in r["entries"]:
+        if "error" in e:
+            t.add_row(e["name"], e["label"], f"{e['size_bytes'] / 1e6:.2f}", "[red]failed[/red]", "",
+                      *([""] * len(keys)), *([""] if acc_key else []), e["error"][:60])
+            continue
+        a = e.get("accuracy", {})
+        t.add_row(e["name"], e["label"], f"{e['size_bytes'] / 1e6:.2f}", f"{e['cold_start_s']:.2f}",
+                  f"{e['peak_rss_mb']:.0f}", *[_p50(cell_of(e, k)) for k in keys],
+                  *([str(a.get(acc_key, "–"))] if acc_key else []), str(a.get("agreement", "–")))
+    con.print(t)
+    summary = r["goals"]["summary"]
+    con.print("goals: " + "; ".join(
+        f"{g} hit {v['hit']}/{v['hit'] + v['missed']}" + (f" ({v['not_measured']} not measured)"
+                                                          if v["not_measured"] else "")
+        for g, v in summary.items()), highlight=False)
+    for name, why in r["skipped"].items():
+        con.print(f"skipped peer {name}: {why}", highlight=False)
+
+
+def _p50(c: dict | None) -> str:
+    if c is None:
+        return "–"
+    return f"short {c['new_tokens_min']}" if c["short"] else f"{c['p50_ms']:.1f}"
