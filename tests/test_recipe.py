@@ -20,7 +20,7 @@ runner = CliRunner()
 
 
 def tiny(out: Path, **changes: dict) -> dict:
-    """A tiny chain: generated data, a new 2-layer T5, a few training steps, ONNX export, static int8."""
+    """A tiny chain: generated data, a new 2-layer T5, a few training steps, ONNX export, static int8, bench."""
     doc = {
         "name": "tiny",
         "out": str(out),
@@ -33,6 +33,9 @@ def tiny(out: Path, **changes: dict) -> dict:
                       "max_source_length": 24, "max_target_length": 16, "eval_max_new_tokens": 8},
             "onnx": {"stage": "export", "max_new_tokens": 4},
             "int8": {"stage": "quantize", "samples": 8, "batch_size": 8, "max_new_tokens": 4, "min_agreement": 0.0},
+            "bench": {"variants": ["onnx", "int8"], "batch_sizes": [1], "beams": [1], "input_tokens": 8,
+                      "output_tokens": 4, "repeats": 2, "warmup": 0, "eval_max": 8, "max_new_tokens": 8,
+                      "plots": False},
         },
     }
     for sid, settings in changes.items():
@@ -139,34 +142,61 @@ def test_a_tiny_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path):
     path = write(tmp_path / "tiny.yaml", tiny(out))
     res = runner.invoke(app, ["run", str(path)])
     assert res.exit_code == 0, res.output
-    assert "ran 5, skipped 0" in res.output
+    assert "ran 6, skipped 0" in res.output
     state = json.loads((out / "recipe.json").read_text())
-    assert list(state["stages"]) == ["data", "model-init", "model", "onnx", "int8"]
+    assert list(state["stages"]) == ["data", "model-init", "model", "onnx", "int8", "bench"]
     export = json.loads((out / "onnx" / "report.json").read_text())
     assert max(export["parity"]["max_abs_diff"].values()) < 1e-4  # the export matches PyTorch
     int8 = json.loads((out / "int8" / "report.json").read_text())
     assert int8["size"]["int8_bytes"] < 0.6 * int8["size"]["fp32_bytes"]
     assert len((out / "data" / "train.jsonl").read_text().splitlines()) == 120
     assert json.loads((out / "model" / "report.json").read_text())["train"]["steps"] == 4
+    bench = json.loads((out / "bench" / "bench.json").read_text())
+    sizes = {e["name"]: e["size_bytes"] for e in bench["entries"]}
+    assert list(sizes) == ["onnx", "int8"] and sizes["int8"] < sizes["onnx"]
+    assert bench["inputs"]["eval_examples"] == 8 and (out / "bench" / "report.md").is_file()
 
     # A rerun skips every stage (the outputs are complete and nothing changed).
     again = recipe.run(recipe.load(path), progress=False)
-    assert again["ran"] == [] and len(again["skipped"]) == 5
+    assert again["ran"] == [] and len(again["skipped"]) == 6
     assert all(r["why"] == "done, unchanged" for r in again["stages"])
 
     # A changed training setting reruns train and what reads it, not data or create.
     write(path, tiny(out, model={"max_steps": 6}))
     rows = {r["id"]: r["why"] for r in recipe.plan(recipe.load(path))}
     assert rows == {"data": "done, unchanged", "model-init": "done, unchanged", "model": "settings changed",
-                    "onnx": "input 'model' reruns", "int8": "input 'onnx' reruns"}
+                    "onnx": "input 'model' reruns", "int8": "input 'onnx' reruns", "bench": "input 'onnx' reruns"}
     dry = runner.invoke(app, ["run", str(path), "--dry-run"])
-    assert dry.exit_code == 0 and "3 of 5 stages to run" in dry.output
+    assert dry.exit_code == 0 and "4 of 6 stages to run" in dry.output
     assert json.loads((out / "model" / "report.json").read_text())["train"]["steps"] == 4  # dry run ran nothing
     third = recipe.run(recipe.load(path), progress=False)
-    assert third["ran"] == ["model", "onnx", "int8"] and third["skipped"] == ["data", "model-init"]
+    assert third["ran"] == ["model", "onnx", "int8", "bench"] and third["skipped"] == ["data", "model-init"]
     assert json.loads((out / "model" / "report.json").read_text())["train"]["steps"] == 6
 
-    # A change to the last stage reruns only it; --force reruns everything.
+    # A change to one stage reruns it and what reads it only; --force would rerun everything.
     write(path, tiny(out, model={"max_steps": 6}, int8={"samples": 12}))
-    assert recipe.run(recipe.load(path), progress=False)["ran"] == ["int8"]
-    assert [r["action"] for r in recipe.plan(recipe.load(path), force=True)] == ["run"] * 5
+    assert [r["action"] for r in recipe.plan(recipe.load(path))] == ["skip"] * 4 + ["run"] * 2
+    assert [r["action"] for r in recipe.plan(recipe.load(path), force=True)] == ["run"] * 6
+
+
+def test_editing_a_data_file_reruns_the_stages_that_read_it(tmp_path):
+    from t5compress.demo import make_examples, write_jsonl
+
+    train = tmp_path / "train.jsonl"
+    write_jsonl(train, make_examples(60, seed=0))
+    doc = {"name": "files", "out": str(tmp_path / "out"), "stages": {
+        "data": {"train": str(train)},
+        "model-init": {"stage": "create", "vocab_size": 120, "overrides": {
+            "d_model": 16, "d_ff": 32, "num_heads": 2, "d_kv": 8, "num_layers": 1, "num_decoder_layers": 1}},
+        "bytes": {"stage": "create", "tokenizer": "byte", "overrides": {
+            "d_model": 16, "d_ff": 32, "num_heads": 2, "d_kv": 8, "num_layers": 1, "num_decoder_layers": 1}}}}
+    path = write(tmp_path / "files.yaml", doc)
+    assert recipe.run(recipe.load(path), progress=False)["ran"] == ["data", "model-init", "bytes"]
+    meta = json.loads((tmp_path / "out" / "model-init" / "t5compress.json").read_text())
+    assert meta["config"]["text"] == str(train)
+    with open(train, "a") as f:
+        f.write(json.dumps({"source": "sort words: moon apple", "target": "apple moon"}) + "\n")
+    rows = {r["id"]: (r["action"], r["why"]) for r in recipe.plan(recipe.load(path))}
+    # The tokenizer of model-init was trained on the file; the byte tokenizer of `bytes` reads nothing.
+    assert rows == {"data": ("run", "a file it reads changed"), "model-init": ("run", "a file it reads changed"),
+                    "bytes": ("skip", "done, unchanged")}

@@ -242,7 +242,7 @@ def _keep(source: str, stages: list[Stage], only: tuple[str, ...]) -> list[Stage
 # --- fingerprints and the plan ----------------------------------------------------------------------------------
 
 
-def settings_fingerprint(recipe: Recipe, stage: Stage) -> str:
+def settings_fingerprint(recipe: Recipe, stage: Stage) -> tuple[str, str]:
     """The stage's kind and config, with the recipe's out dir written as $OUT (moving a run keeps it) and the content
     of the user's files it names (editing a data file reruns what reads it)."""
     config = _portable(dataclasses.asdict(stage.config), str(recipe.out))
@@ -255,8 +255,11 @@ def settings_fingerprint(recipe: Recipe, stage: Stage) -> str:
             files[s] = _file_hash(p)
         elif "$OUT" not in s and p.is_dir() and stage.kind.name == "load":
             files[s] = artifacts.dir_hash(p)
-    blob = json.dumps({"kind": stage.kind.name, "config": config, "files": files}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return _hash({"kind": stage.kind.name, "config": config}), _hash(files)
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _portable(obj: Any, out: str) -> Any:
@@ -281,11 +284,10 @@ def fingerprints(recipe: Recipe) -> dict[str, dict]:
     """Per stage: its settings fingerprint, its inputs' fingerprints, and the fingerprint of all of it."""
     result: dict[str, dict] = {}
     for s in recipe.stages:
-        settings = settings_fingerprint(recipe, s)
+        settings, files = settings_fingerprint(recipe, s)
         deps = {d: result[d]["fingerprint"] for d in s.deps}
-        blob = json.dumps({"settings": settings, "deps": deps, "version": __version__}, sort_keys=True)
-        result[s.id] = {"fingerprint": hashlib.sha256(blob.encode()).hexdigest()[:16], "settings": settings,
-                        "deps": deps, "version": __version__}
+        fp = _hash({"settings": settings, "files": files, "deps": deps, "version": __version__})
+        result[s.id] = {"fingerprint": fp, "settings": settings, "files": files, "deps": deps, "version": __version__}
     return result
 
 
@@ -326,6 +328,8 @@ def _why_run(s: Stage, fp: dict, old: dict, running: set, force: bool) -> str | 
         return f"t5compress {old.get('version')} → {fp['version']}"
     if old.get("settings") != fp["settings"]:
         return "settings changed"
+    if old.get("files") != fp["files"]:
+        return "a file it reads changed"
     for d in s.deps:
         if d in running:
             return f"input '{d}' reruns"

@@ -40,7 +40,7 @@ def run(recipe: Recipe, force: bool = False, progress: bool = True,
         summary = _summary(stage, report)
         row.update(seconds=seconds, summary=summary)
         reports[stage.id] = report
-        state["stages"][stage.id] = {k: row[k] for k in ("fingerprint", "settings", "deps", "version")} | {
+        state["stages"][stage.id] = {k: row[k] for k in ("fingerprint", "settings", "files", "deps", "version")} | {
             "kind": stage.kind.name, "dir": str(stage.dir), "seconds": seconds, "summary": summary}
         _save(recipe, state)
     return {"recipe": recipe.name, "source": recipe.source, "out": str(recipe.out), "stages": rows,
