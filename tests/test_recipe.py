@@ -121,7 +121,7 @@ def test_stages_out_of_order_and_missing_inputs_are_rejected(tmp_path):
     doc["stages"] = {k: stages[k] for k in ("data", "model-init", "onnx", "model", "int8")}
     assert "model: a train stage cannot come after 'onnx' (export)" in error_of(tmp_path, doc)
     doc["stages"] = {"data": stages["data"], "int8": stages["int8"]}
-    assert "int8: a quantize stage reads a export, and no stage before it gives one" in error_of(tmp_path, doc)
+    assert "int8: a quantize stage reads an export, and no stage before it gives one" in error_of(tmp_path, doc)
     doc["stages"] = {"data": stages["data"], "model-init": stages["model-init"], "model": {"stage": "train"}}
     doc["stages"]["data2"] = {"stage": "data", "generate": "demo"}
     assert "a recipe has one data stage" in error_of(tmp_path, doc)
@@ -200,3 +200,22 @@ def test_editing_a_data_file_reruns_the_stages_that_read_it(tmp_path):
     # The tokenizer of model-init was trained on the file; the byte tokenizer of `bytes` reads nothing.
     assert rows == {"data": ("run", "a file it reads changed"), "model-init": ("run", "a file it reads changed"),
                     "bytes": ("skip", "done, unchanged")}
+
+
+def test_qat_and_triton_stages_take_their_cli_settings(tmp_path):
+    doc = tiny(tmp_path / "out")
+    doc["stages"] = {k: doc["stages"][k] for k in ("data", "model-init")} | {
+        "qat": {"max_steps": 10, "act_scale": "ema", "keep_wo": "yes", "max_source_length": 24},
+        "qat-onnx": {"stage": "export"},
+        "serve": {"stage": "triton", "input": "qat-onnx", "portable": True, "max_batch_size": 4},
+        "bench": {"variants": ["qat", "qat-onnx"]},
+    }
+    r = recipe.load(write(tmp_path / "r.yaml", doc))
+    qat = r.stage("qat").config
+    assert (qat.finetune.train.max_steps, qat.quant.act_scale, qat.quant.keep_wo) == (10, "ema", "yes")
+    assert qat.finetune.data.max_source_length == 24 and qat.finetune.train_data.endswith("data/train.jsonl")
+    assert r.stage("qat-onnx").artifact == "int8 export"  # a QAT model exports to Q/DQ int8 graphs
+    assert r.stage("serve").config.portable and r.stage("serve").deps == ("qat-onnx",)
+    assert r.stage("bench").deps == ("data", "qat", "qat-onnx") and r.stage("bench").config.data.endswith("eval.jsonl")
+    doc["stages"]["int8"] = {"stage": "quantize", "input": "qat-onnx"}
+    assert "int8.input: 'qat-onnx' gives an int8 export; a quantize stage reads an export" in error_of(tmp_path, doc)

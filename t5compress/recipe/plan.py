@@ -177,14 +177,18 @@ def _input(where: str, kind: Kind, given: Any, before: list[Stage]) -> Stage | N
             earlier = ", ".join(s.id for s in before) or "none"
             raise RecipeError(f"{where}.input: no stage '{given}' before this one (earlier stages: {earlier})")
         if src.artifact not in kind.consumes:
-            raise RecipeError(f"{where}.input: '{src.id}' gives a {src.artifact}; a {kind.name} stage reads a "
-                              f"{' or '.join(kind.consumes)} (from {_producers(kind.consumes)})")
+            raise RecipeError(f"{where}.input: '{src.id}' gives {_a(src.artifact)}; a {kind.name} stage reads "
+                              f"{_a(' or '.join(kind.consumes))} (from {_producers(kind.consumes)})")
         return src
     src = next((s for s in reversed(before) if s.artifact in kind.consumes), None)
     if src is None:
-        raise RecipeError(f"{where}: a {kind.name} stage reads a {' or '.join(kind.consumes)}, and no stage before it "
-                          f"gives one (add {_producers(kind.consumes)} before it)")
+        raise RecipeError(f"{where}: a {kind.name} stage reads {_a(' or '.join(kind.consumes))}, and no stage before "
+                          f"it gives one (add {_producers(kind.consumes)} before it)")
     return src
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _variants(where: str, given: Any, before: list[Stage]) -> list[Stage]:
@@ -204,7 +208,7 @@ def _variants(where: str, given: Any, before: list[Stage]) -> list[Stage]:
         if src is None:
             raise schema.unknown_key(f"{where}.variants", sid, [s.id for s in before]) from None
         if src.artifact not in kind.consumes:
-            raise RecipeError(f"{where}.variants: '{sid}' gives a {src.artifact}, not a model or an export to measure")
+            raise RecipeError(f"{where}.variants: '{sid}' gives {_a(src.artifact)}, not a model or export to measure")
         out.append(src)
     return out
 
