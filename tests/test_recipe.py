@@ -98,7 +98,8 @@ def test_a_typo_is_rejected_through_the_cli_with_the_closest_key(tmp_path):
     ({"pre": {"stage": "pretrain"}}, "pre: stage 'pretrain' has not landed"),
     ({"q2": {"stage": "quantize", "input": "model"}}, "q2.input: 'model' gives a model; a quantize stage reads"),
     ({"q2": {"stage": "quantize", "input": "nope"}}, "q2.input: no stage 'nope' before this one"),
-    ({"model-init": {"text": None, "tokenizer": "unigram"}, "data": None}, "a train stage reads"),
+    ({"data": None}, "model-init.text: a unigram tokenizer needs --text"),  # no data stage: nothing to read
+    ({"data": None, "model-init": {"tokenizer": "byte"}}, "model.train_data: required (give it, or put a data stage"),
 ])
 def test_bad_recipes_are_one_line_naming_stage_and_key(tmp_path, change, needle):
     doc = tiny(tmp_path / "out")
@@ -107,10 +108,6 @@ def test_bad_recipes_are_one_line_naming_stage_and_key(tmp_path, change, needle)
             del doc["stages"][sid]
         else:
             doc["stages"][sid] = {**doc["stages"].get(sid, {}), **settings}
-    if "data" not in doc["stages"]:  # no data at all: create's tokenizer text and train's data are missing
-        doc["stages"]["model-init"]["tokenizer"] = "byte"
-        doc["stages"] = {k: v for k, v in doc["stages"].items() if k != "model-init"} | {
-            "model-init": doc["stages"]["model-init"]}
     msg = error_of(tmp_path, doc)
     assert needle in msg and "\n" not in msg, msg
 

@@ -88,6 +88,9 @@ def print_bench(out: Path, report: dict) -> None:
         print_report = None
     if print_report is not None and report:
         print_report(report, console)
+        entries = report.get("entries") or [{}]
+        for sample in ((entries[0].get("accuracy") or {}).get("samples") or [])[:3]:
+            console.print(f"  {sample['input']!r} → {sample['output']!r}", highlight=False)
     for name in ("report.md", *sorted(p.name for p in out.glob("*.png"))):
         if (out / name).is_file():
             console.print(f"{name}: [bold]{out / name}[/bold]")

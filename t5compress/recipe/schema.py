@@ -160,5 +160,6 @@ def build(where: str, cls: type, settings: dict, flatten: dict[str, type] | None
         missing = [n for n, (f, _) in fields_of(cls).items() if n not in kwargs
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
-            raise RecipeError(f"{where}.{missing[0]}: required, give it") from None
+            hint = " (give it, or put a data stage first)" if "data" in missing[0] else ""
+            raise RecipeError(f"{where}.{missing[0]}: required{hint}") from None
         raise
