@@ -216,3 +216,18 @@ def test_qat_and_triton_stages_take_their_cli_settings(tmp_path):
     assert r.stage("bench").deps == ("data", "qat", "qat-onnx") and r.stage("bench").config.data.endswith("eval.jsonl")
     doc["stages"]["int8"] = {"stage": "quantize", "input": "qat-onnx"}
     assert "int8.input: 'qat-onnx' gives an int8 export; a quantize stage reads an export" in error_of(tmp_path, doc)
+
+
+def test_demo_is_the_quickstart_recipe(tmp_path):
+    res = runner.invoke(app, ["demo", "--out", str(tmp_path / "q"), "--max-steps", "40", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "9 of 9 stages to run" in res.output and not (tmp_path / "q").exists()
+    from t5compress import demo
+
+    r = demo.load(demo.DemoConfig(max_steps=40), tmp_path / "q")
+    assert r.source == str(recipe.QUICKSTART) and r.stage("model").config.train.max_steps == 40
+    assert r.stage("model").config.train.eval_every == 10
+    default = demo.load(demo.DemoConfig())  # the demo's defaults are the recipe's own settings: one fingerprint
+    assert recipe.plan(default) == recipe.plan(recipe.load(ROOT / "recipes" / "quickstart.yaml"))
+    res = runner.invoke(app, ["demo", "--max-steps", "0", "--dry-run"])
+    assert res.exit_code == 2 and "max_steps: must be > 0" in res.output

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, command
+from t5compress.cli.common import command
+from t5compress.cli.run import DryRun, Rerun
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.demo import DemoConfig as C
@@ -20,8 +21,8 @@ def demo(
     max_steps: Annotated[int, typer.Option(help=_h(C, "max_steps"))] = _d(C, "max_steps"),
     train_examples: Annotated[int, typer.Option(help=_h(C, "train_examples"))] = _d(C, "train_examples"),
     seed: Annotated[int, typer.Option(help=_h(C, "seed"))] = _d(C, "seed"),
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
-    force: Force = False,
+    dry_run: DryRun = False,
+    force: Rerun = False,
 ) -> None:
     """Build a small T5 on generated data, fine-tune it, ship it (ONNX, int8, pruned + int8) and benchmark the
     variants: the quickstart recipe, as `t5compress run recipes/quickstart.yaml` runs it. Done stages are skipped."""

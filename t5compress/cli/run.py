@@ -7,8 +7,10 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, command, console
+from t5compress.cli.common import command, console
 
+Rerun = Annotated[bool, typer.Option("--force", help="Rerun every stage, done or not.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Validate the recipe and print the plan; run nothing.")]
 RecipeArg = Annotated[str, typer.Argument(
     help="Recipe file (e.g. recipes/t5-small-int8.yaml), or 'quickstart' for the embedded default.")]
 
@@ -17,10 +19,10 @@ RecipeArg = Annotated[str, typer.Argument(
 def run(
     recipe: RecipeArg = "quickstart",
     out: Annotated[Path | None, typer.Option(help="Output directory (default: the recipe's `out`).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; run nothing.")] = False,
+    dry_run: DryRun = False,
     only: Annotated[list[str] | None, typer.Option(
         "--only", help="Run only this stage and the stages it reads (repeatable).")] = None,
-    force: Force = False,
+    force: Rerun = False,
 ) -> None:
     """Run a recipe: data → create | load → train | qat | prune → export → quantize → triton → bench, each stage in
     OUT/<stage id>. A rerun skips the stages whose output is complete and whose settings and inputs are unchanged."""
@@ -48,8 +50,11 @@ def resolve(name: str) -> Path:
 def print_plan(r, rows: list[dict]) -> None:
     from rich.table import Table
 
+    from t5compress.recipe import QUICKSTART
+
     runs = sum(row["action"] == "run" for row in rows)
-    t = Table(title=f"recipe {r.name} ({r.source}): {runs} of {len(rows)} stages to run", title_justify="left")
+    source = "embedded" if Path(r.source) == QUICKSTART else r.source
+    t = Table(title=f"recipe {r.name} ({source}): {runs} of {len(rows)} stages to run", title_justify="left")
     for col in ("stage", "kind", "dir", "action", "why"):
         t.add_column(col)
     for row in rows:
