@@ -78,6 +78,8 @@ def print_results(result: dict) -> None:
         t.add_column(col, justify=justify)
     for row in result["stages"]:
         seconds = "" if row.get("seconds") is None else f"{row['seconds']:.1f}"
+        if seconds and row["action"] == "skip":
+            seconds = f"({seconds})"  # the time of the run that made it
         t.add_row(row["id"], row["dir"], row["action"], seconds, row.get("summary") or "")
     console.print(t)
     for row in result["stages"]:
