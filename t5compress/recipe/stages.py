@@ -276,6 +276,45 @@ def _run_bench(cfg, i: Inputs, out: Path, progress: bool) -> dict:
                      force=True, progress=progress)
 
 
+@dataclass(frozen=True)
+class PretrainSpec:
+    """The `pretrain` stage: its corpus (the command's SRC argument) beside the stage's own config."""
+
+    corpus: str
+    config: Any
+
+
+def _build_pretrain(where: str, s: dict, i: Inputs) -> PretrainSpec:
+    from t5compress.pretrain.stage import PretrainConfig
+    from t5compress.trainer import TrainConfig
+
+    corpus = s.get("corpus")
+    if not isinstance(corpus, str) or not corpus:
+        raise schema.RecipeError(f"{where}.corpus: required: the text (a file, folder or dataset) to pre-train on")
+    return PretrainSpec(corpus, schema.build(where, PretrainConfig, s, {"train": TrainConfig}))
+
+
+def _run_pretrain(spec: PretrainSpec, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.pretrain.stage import run
+
+    return run(spec.corpus, spec.config, out, force=True, progress=progress)
+
+
+def _register_pretrain() -> None:
+    """Pre-training (issue 8) joins the chain as a source of models once its module is in the package."""
+    import importlib.util
+
+    if importlib.util.find_spec("t5compress.pretrain") is None:
+        return
+    from t5compress.pretrain.stage import PretrainConfig
+    from t5compress.trainer import TrainConfig
+
+    PLANNED.pop("pretrain", None)
+    _register(Kind("pretrain", 1, (), frozenset(), _build_pretrain, _run_pretrain, _same, summary.train_summary,
+                   "span-corruption pre-training of a new model"), PretrainConfig, {"train": TrainConfig},
+              extra=("corpus",))
+
+
 def _bench_landed() -> bool:
     from t5compress import bench
 
@@ -337,6 +376,7 @@ def _setup() -> None:
     _register(Kind("bench", 7, (MODEL, QAT_MODEL, EXPORT, INT8), none, _build_bench, _run_bench, lambda a: BENCH,
                    summary.bench_summary, "latency and accuracy of the variants", _bench_landed), BenchConfig,
               extra=("variants",))
+    _register_pretrain()
 
 
 _setup()
