@@ -125,6 +125,30 @@ def test_stages_out_of_order_and_missing_inputs_are_rejected(tmp_path):
     assert "nmae: unknown key; did you mean 'name'?" in error_of(tmp_path, {**doc, "nmae": 1})
 
 
+def test_a_directory_the_recipe_did_not_write_is_not_replaced_without_force(tmp_path):
+    (tmp_path / "out" / "model").mkdir(parents=True)
+    (tmp_path / "out" / "model" / "mine.txt").write_text("keep me")
+    res = runner.invoke(app, ["run", str(write(tmp_path / "r.yaml", tiny(tmp_path / "out")))])
+    assert res.exit_code == 2 and "was not written by this recipe" in res.output and "--force" in res.output
+    assert (tmp_path / "out" / "model" / "mine.txt").read_text() == "keep me"
+    assert not (tmp_path / "out" / "data").exists()  # refused before the first stage ran
+
+
+def test_a_failed_stage_is_redone_on_the_next_run(tmp_path):
+    doc = tiny(tmp_path / "out")
+    doc["stages"] = {"data": doc["stages"]["data"], "bad": {"stage": "load", "model": str(tmp_path / "empty")}}
+    (tmp_path / "empty").mkdir()  # a directory, so it validates; it holds no model, so the stage fails
+    path = write(tmp_path / "r.yaml", doc)
+    res = runner.invoke(app, ["run", str(path)])
+    assert res.exit_code == 2 and "no config.json" in res.output.replace("\n", " ") or "model" in res.output
+    state = json.loads((tmp_path / "out" / "recipe.json").read_text())["stages"]
+    assert "fingerprint" in state["data"] and state["bad"]["unfinished"] is True
+    rows = {r["id"]: r["why"] for r in recipe.plan(recipe.load(path))}
+    assert rows == {"data": "done, unchanged", "bad": "not run yet"}  # its dir was never written
+    (tmp_path / "out" / "bad").mkdir()  # as if an earlier, finished run had left it
+    assert recipe.plan(recipe.load(path))[1]["why"] == "the last run of it did not finish"
+
+
 def test_duplicate_stage_ids_are_rejected(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("name: x\nout: o\nstages:\n  data: {generate: demo}\n  data: {generate: demo}\n")

@@ -326,6 +326,8 @@ def _why_run(s: Stage, fp: dict, old: dict, running: set, force: bool) -> str | 
         return "--force"
     if not old or not s.dir.is_dir():
         return "not run yet"
+    if old.get("unfinished"):
+        return "the last run of it did not finish"
     if not complete(s):
         return "output incomplete"
     if old.get("version") != fp["version"]:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from t5compress import artifacts
+from t5compress.errors import OutputError
 from t5compress.recipe.plan import STATE_FILE, Recipe, Stage, plan, read_state
 
 log = logging.getLogger(__name__)
@@ -18,8 +19,12 @@ def run(recipe: Recipe, force: bool = False, progress: bool = True,
     """Run `recipe` (stage by stage, in order) and return the result: one row per stage with its action, why, time
     and key numbers, and each stage's report. The state of the run is kept in OUT/recipe.json."""
     rows = plan(recipe, force)
-    recipe.out.mkdir(parents=True, exist_ok=True)
     state = read_state(recipe.out)
+    foreign = [s.dir for s in recipe.stages if s.dir.exists() and s.id not in state["stages"]]
+    if foreign and not force:  # nothing of the user's is replaced without --force, as with every stage's OUT
+        raise OutputError(f"'{foreign[0]}' exists and was not written by this recipe (no entry in "
+                          f"{recipe.out / STATE_FILE}); pass --force to replace it, or choose another --out")
+    recipe.out.mkdir(parents=True, exist_ok=True)
     state.update({"recipe": recipe.name, "source": recipe.source})
     started = time.perf_counter()
     reports: dict[str, dict] = {}
@@ -32,7 +37,9 @@ def run(recipe: Recipe, force: bool = False, progress: bool = True,
             row.update(seconds=old.get("seconds"), summary=old.get("summary", ""))
             continue
         log.info("stage %s (%s) → %s: %s", stage.id, stage.kind.name, stage.dir, row["why"])
-        state["stages"].pop(stage.id, None)  # a failure below leaves the stage 'not run yet' for the next run
+        # a failure below leaves the stage marked unfinished: the next run redoes it (its dir is still this recipe's)
+        state["stages"][stage.id] = {**state["stages"].get(stage.id, {}), "kind": stage.kind.name,
+                                     "dir": str(stage.dir), "unfinished": True}
         _save(recipe, state)
         t0 = time.perf_counter()
         report = stage.kind.execute(stage.config, stage.inputs, stage.dir, progress)
