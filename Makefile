@@ -60,7 +60,7 @@ $(BENCH_STAMP): pyproject.toml
 
 bench-env: $(BENCH_STAMP)  ## the benchmark venv with every peer engine installed
 
-bench: $(BENCH_STAMP)  ## every engine side by side (minutes); ARGS='--quick' for a short run
+bench: $(BENCH_STAMP)  ## the goals benchmark: t5compress bench on t5-small and el2 shapes, every peer (minutes); ARGS='--quick' for a short run
 	$(BENCH_VENV)/bin/python benchmarks/generate_speed.py $(ARGS)
 
 clean:

@@ -1,69 +1,53 @@
-"""Generation speed and size on CPU: PyTorch fp32 `generate`, the t5compress runtime (fp32 with separate or merged
-decoders, int8 static / dynamic / QAT) and the peers (optimum ORT fp32 and dynamic int8, CTranslate2 int8, OpenVINO
-fp32 and 8-bit weights).
+"""The goals benchmark: `t5compress bench` on random-weight t5-small and t5-efficient-small-el2 shapes, our fp32
+export, int8 static and pruned (50% heads, 50% FFN) + int8 static side by side with every peer (PyTorch fp32
+`generate`, optimum ORT fp32 and dynamic int8, CTranslate2 int8, OpenVINO fp32 and 8-bit weights).
 
-All engines run in this one process on the same random-weight models of real shapes (speed does not depend on the
-weights), with pinned thread counts, exactly 32 tokens in and 32 out (every engine is forced to the length; one
-that returns fewer is marked short and left out of the comparisons), warm-up calls excluded, median and p90 per
-call, and each engine's model files' size on disk. Engines are a registry (`engines.py`); one whose package is
-missing or whose preparation fails is skipped with a printed reason. The peers need `make bench-env`:
+Speed does not depend on the weights, so each shape is a random-weight model (embedding scaled by 0.3, so greedy
+decoding varies). Everything else is `t5compress.bench.run`: each engine in its own process, 32 tokens in and
+exactly 32 out for every engine (a short one is shown, never compared), warm-up excluded, the same thread settings,
+and the goals (our int8 >= 1.33x the fastest int8 peer, pruned + int8 >= 2x it) per grid cell as measured / hit /
+missed. Peers need `make bench-env` (run it there, or give --peer-python .venv-bench/bin/python):
 
-    make bench                                                    # full grid in .venv-bench (29 min at --repeats 3)
-    .venv-bench/bin/python benchmarks/generate_speed.py --quick   # t5-small, 1 thread, fewer repeats
-    .venv-bench/bin/python benchmarks/generate_speed.py --shapes t5-efficient-tiny --repeats 2 --engines ours
+    make bench                                                    # full grid in .venv-bench
+    .venv-bench/bin/python benchmarks/generate_speed.py --quick   # t5-small, 1 thread, 2 repeats
 
-Writes benchmarks/results/generate_speed.json and .md (ratios to PyTorch, and per row whether the targets are hit:
-our best int8 >= 1.33x the fastest int8 peer, our fp32 faster than every fp32 peer). With --profile, also where our
-int8 runtime's time goes per step (encoder, first decoder step, with-past steps, lm_head, search).
+Writes benchmarks/results/bench_goals/<shape>/ (bench.json, report.md, plots) and a summary,
+benchmarks/results/bench_goals.{json,md} (--quick: under benchmarks/results/quick/). With --profile, also where our
+int8 runtime's time goes per step (profile_steps.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engines import ENGINES, Shape, Skip, size_bytes  # noqa: E402
-from report import write  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
 SHAPES = ["t5-small", "t5-efficient-small-el2"]
-IN_TOKENS = OUT_TOKENS = 32
-SUBJECTS = ["the committee", "a small startup", "the river", "our neighbour", "the new policy", "the old bridge",
-            "a local farmer", "the orchestra", "the research team", "the city council", "my sister", "the museum"]
-VERBS = ["announced", "rejected", "described", "welcomed", "postponed", "explained", "repaired", "questioned"]
-OBJECTS = ["a plan to reduce traffic", "the results of the survey", "a festival in the spring",
-           "the cost of the repairs", "a proposal for cheaper trains", "the history of the valley",
-           "an exhibition of modern paintings", "the decision to close the school"]
-TASKS = ["translate English to German: ", "summarize: ", "translate English to French: ", ""]
 
 
-def calibration_texts(n: int, seed: int = 0) -> list[str]:
-    """n plausible, varied sentences with T5 task prefixes (static int8 calibrates on what the graphs see)."""
-    rng = np.random.default_rng(seed)
-    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
-    texts = []
-    for i in range(n):
-        text = f"{pick(TASKS)}{pick(SUBJECTS).capitalize()} {pick(VERBS)} {pick(OBJECTS)}"
-        if i % 3 == 0:
-            text += f" after {pick(SUBJECTS)} {pick(VERBS)} {pick(OBJECTS)}"
-        texts.append(text + ".")
-    return texts
+@dataclass
+class Shape:
+    arch: str
+    model_dir: Path
+    export_dir: Path
+    work: Path
+    calib: Path  # JSON Lines, source = target = a generated sentence
 
 
-def build(arch: str, root: Path, samples: int) -> Shape:
-    """Save a random-weight model of `arch`, export it with `t5compress export --onnx`, write calibration texts."""
+def build(arch: str, root: Path, samples: int = 48) -> Shape:
+    """A random-weight model of `arch`, its fp32 ONNX export, and calibration texts."""
     import torch
 
+    from t5compress.bench.inputs import generated_texts
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
     from t5compress.models import create_model, save_model_dir
     from t5compress.tokenization import byte_level
 
@@ -73,139 +57,99 @@ def build(arch: str, root: Path, samples: int) -> Shape:
     with torch.no_grad():  # random init can repeat one token; a smaller embedding keeps the ops and varies output
         model.shared.weight.mul_(0.3)
     save_model_dir(model, byte_level(), model_dir)
-    cli = [sys.executable, "-m", "t5compress.cli", "export", str(model_dir), str(export_dir), "--onnx"]
-    subprocess.run(cli, check=True, stdout=subprocess.DEVNULL)
-    calib = work / "calib.txt"
-    calib.write_text("\n".join(calibration_texts(max(samples, 48))) + "\n")
-    return Shape(arch, model_dir, export_dir, work, calib, samples)
+    export(model_dir, ExportConfig(), export_dir, force=True)
+    calib = work / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"source": t, "target": t}) + "\n" for t in generated_texts(samples, 1)))
+    return Shape(arch, model_dir, export_dir, work, calib)
 
 
-def prepare(shape: Shape, names: list[str], skipped: dict[str, str]) -> dict[str, dict]:
-    """Prepare each engine once per shape; -> name -> {path, size_bytes, prepare_s}. Failures become skip reasons."""
-    ready = {}
-    for name in names:
-        eng = ENGINES[name]
-        if missing := eng.missing():
-            skipped[name] = f"not importable: {', '.join(missing)}"
-            print(f"  skip {name}: {skipped[name]}", flush=True)
-            continue
-        t0 = time.perf_counter()
-        try:
-            path = eng.prepare(shape)
-        except Exception as e:  # a peer's converter bug is a result, not a crash of the benchmark
-            skipped[name] = f"preparation failed: {_err(e)}"
-            print(f"  skip {name}: {skipped[name]}", flush=True)
-            continue
-        ready[name] = {"path": path, "size_bytes": size_bytes(path, eng.files),
-                       "prepare_s": round(time.perf_counter() - t0, 1)}
-        print(f"  ready {name}: {ready[name]['size_bytes'] / 1e6:.1f} MB ({ready[name]['prepare_s']} s)", flush=True)
-    return ready
+def int8_static(shape: Shape, src: Path, name: str, samples: int) -> Path:
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize import run as quantize
+
+    out = shape.work / name
+    cfg = QuantizeConfig(calib_data=str(shape.calib), samples=samples, min_agreement=0.0)  # random weights
+    quantize(src, cfg, out, force=True, progress=False)
+    return out
 
 
-def timed(fn, args: tuple, warmup: int, repeat: int) -> dict:
-    for _ in range(warmup):
-        fn(*args)
-    times, got = [], []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        got.append(fn(*args))
-        times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
-    return {"median_ms": round(statistics.median(times), 1),
-            "p90_ms": round(times[min(len(times) - 1, int(0.9 * len(times)))], 1), "new_tokens": min(got)}
+def pruned_int8(shape: Shape, samples: int) -> Path:
+    """The prune stage (50% of heads and of FFN channels, magnitude scores), exported, then int8 static."""
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+    from t5compress.prune.stage import PruneConfig
+    from t5compress.prune.stage import run as prune
 
-
-def _err(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:120] if lines else ''}"
-
-
-def inputs(batch: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    ids = rng.integers(3, 250, size=(batch, IN_TOKENS)).astype(np.int64)  # byte tokens of the tokenizer
-    ids[:, -1] = 1  # </s>
-    return ids, np.ones_like(ids)
+    pruned = shape.work / "pruned"
+    prune(shape.model_dir, PruneConfig(calib_data=str(shape.calib), heads=0.5, ffn=0.5, criterion="magnitude",
+                                       calib_examples=8, eval_max_examples=2, latency_examples=0), pruned,
+          force=True, progress=False)
+    export(pruned, ExportConfig(), shape.work / "pruned-onnx", force=True)
+    return int8_static(shape, shape.work / "pruned-onnx", "pruned-int8", samples)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="t5-small, 1 thread, 2 repeats, 16 calibration texts")
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="architectures (any `t5compress create` name)")
-    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--beams", nargs="+", type=int, default=[1, 4], help="1 = greedy")
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES),
-                    help=f"engine names, or 'ours' / 'peers' (default all: {', '.join(ENGINES)})")
+    ap.add_argument("--peers", default="all", help="comma-separated peer names, or all")
+    ap.add_argument("--peer-python", default=None, help="interpreter for peers not importable here")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--calib-samples", type=int, default=32, help="texts our static int8 is calibrated on")
-    ap.add_argument("--profile", action="store_true", help="per-step profile of our int8 runtime (see profile.py)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--profile", action="store_true", help="per-step profile of our int8 runtime (profile_steps.py)")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.threads, args.repeats, args.calib_samples = SHAPES[:1], [1], 2, 16
-    names = _engine_names(args.engines)
-    rows, shapes_info, skipped_all = [], {}, {}
-    rng = np.random.default_rng(0)
-    started = time.perf_counter()
+    out = args.out or (ROOT / "results" / ("quick" if args.quick else ""))
+    from t5compress.bench import BenchConfig
+    from t5compress.bench import run as bench
+
+    cfg = BenchConfig(batch_sizes=tuple(args.batches), threads=tuple(args.threads), beams=tuple(args.beams),
+                      input_tokens=32, output_tokens=32, repeats=args.repeats, warmup=1, eval_max=16,
+                      max_new_tokens=32, peers=tuple(p for p in args.peers.split(",") if p),
+                      peer_python=args.peer_python)
+    reports, started = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.shapes:
-            print(f"{arch}: building and preparing engines", flush=True)
-            shape = build(arch, Path(tmp), args.calib_samples)
-            skipped: dict[str, str] = {}
-            ready = prepare(shape, names, skipped)
-            skipped_all[arch] = skipped
-            shapes_info[arch] = {n: {"size_mb": round(r["size_bytes"] / 1e6, 1), "prepare_s": r["prepare_s"]}
-                                 for n, r in ready.items()}
-            for threads in args.threads:
-                runners = _load(ready, shape, threads, skipped)
-                for batch in args.batches:
-                    ids, mask = inputs(batch, rng)
-                    for beams in args.beams:
-                        row = {"shape": arch, "threads": threads, "batch": batch,
-                               "decode": "greedy" if beams == 1 else f"beam {beams}", "engines": {}}
-                        for name, fn in runners.items():
-                            try:
-                                row["engines"][name] = timed(fn, (ids, mask, OUT_TOKENS, beams), args.warmup,
-                                                             args.repeats)
-                            except Exception as e:
-                                row["engines"][name] = {"error": _err(e)}
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-                del runners
-                gc.collect()
-            if args.profile and "t5compress int8 static" in ready:
+            print(f"{arch}: building the model, its export, int8 static and pruned + int8 static", flush=True)
+            shape = build(arch, Path(tmp), max(48, args.calib_samples))
+            variants = [f"pytorch={shape.model_dir}", f"fp32={shape.export_dir}",
+                        f"int8-static={int8_static(shape, shape.export_dir, 'int8', args.calib_samples)}",
+                        f"pruned-int8={pruned_int8(shape, args.calib_samples)}"]
+            dest = out / "bench_goals" / arch
+            reports[arch] = bench(variants, cfg, dest, force=True)
+            shutil.rmtree(dest / "peers", ignore_errors=True)  # converted random weights: not worth keeping
+            print((dest / "report.md").read_text(), flush=True)
+            if args.profile:
                 from profile_steps import profile
 
-                shapes_info[arch]["profile"] = profile(ready, shape, lambda b: inputs(b, rng), OUT_TOKENS)
-                print(json.dumps(shapes_info[arch]["profile"], indent=1), flush=True)
-    meta = {"in_tokens": IN_TOKENS, "out_tokens": OUT_TOKENS, "repeats": args.repeats, "warmup": args.warmup,
-            "calib_samples": args.calib_samples, "seconds": round(time.perf_counter() - started),
-            "skipped": skipped_all}
-    write(rows, shapes_info, meta, args.out)
+                from t5compress.bench.inputs import latency_rows
+
+                ready = {"t5compress int8 static": {"path": shape.work / "int8"},
+                         "t5compress fp32": {"path": shape.export_dir}}
+                rows = latency_rows([[i] for i in range(3, 250)], (1,), 32, max(args.batches))
+                reports[arch]["profile"] = profile(ready, shape, lambda b, rows=rows: (rows[:b], rows[:b] * 0 + 1), 32)
+    write_summary(reports, out, round(time.perf_counter() - started))
 
 
-def _engine_names(chosen: list[str]) -> list[str]:
-    groups = {"ours": [n for n, e in ENGINES.items() if e.owner != "peer"],
-              "peers": [n for n, e in ENGINES.items() if e.owner != "ours"]}
-    names = []
-    for c in chosen:
-        for n in groups.get(c, [c]):
-            if n not in ENGINES:
-                raise SystemExit(f"unknown engine {n!r}; choose from: {', '.join(ENGINES)}, ours, peers")
-            if n not in names:
-                names.append(n)
-    return [n for n in ENGINES if n in names]  # registry order: PyTorch first (the base of the ratios)
-
-
-def _load(ready: dict, shape: Shape, threads: int, skipped: dict[str, str]) -> dict:
-    runners = {}
-    for name, r in ready.items():
-        try:
-            runners[name] = ENGINES[name].load(r["path"], shape, threads)
-        except (Skip, Exception) as e:
-            skipped[f"{name} @ {threads} threads"] = f"load failed: {_err(e)}"
-            print(f"  skip {name} at {threads} threads: load failed: {_err(e)}", flush=True)
-    return runners
+def write_summary(reports: dict, out: Path, seconds: int) -> None:
+    """bench_goals.json (every shape's report) and bench_goals.md (each shape's goal table, links to the rest)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_goals.json").write_text(json.dumps({"seconds": seconds, "shapes": reports}, indent=1))
+    lines = [f"# Goals benchmark ({seconds} s)", ""]
+    for arch, r in reports.items():
+        md = (out / "bench_goals" / arch / "report.md").read_text()
+        goals = md[md.index("## Goals"):md.index("\n## ", md.index("## Goals") + 3)]
+        lines += [f"## {arch}", "", f"Full report: [bench_goals/{arch}/report.md](bench_goals/{arch}/report.md).", "",
+                  goals.replace("## Goals", "### Goals").strip(), ""]
+        if r.get("skipped"):
+            lines += ["Skipped peers: " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items()), ""]
+    (out / "bench_goals.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

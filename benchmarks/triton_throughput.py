@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     rounds, sequential, concurrent = (2, 6, 24) if args.quick else (args.rounds, 8, 40)
 
-    from generate_speed import build  # same random t5-small-shaped model and export as the speed benchmark
+    from generate_speed import build  # same random t5-small-shaped model and export as the goals benchmark
 
     from t5compress.runtime import load_runtime
     from t5compress.triton import TritonConfig, run
@@ -88,7 +88,7 @@ def main() -> None:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="triton-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    export_dir = work / "t5-small-onnx"
+    export_dir = work / "t5-small" / "onnx"  # where build() puts it
     if not export_dir.is_dir():
         build("t5-small", work)
     repo = work / "repo"

@@ -112,7 +112,9 @@ def test_accuracy_agreement_memory_and_cold_start(bench_run):
     # well below the PyTorch worker's (a shared or inherited measurement would make them equal).
     assert e["onnx"]["peak_rss_mb"] < e["pt"]["peak_rss_mb"] - 50
     # No peers in this run: the goals say so instead of claiming anything.
-    assert all(c["goals"]["int8"]["status"] == "not measured" for c in r["goals"]["cells"])
+    for c in r["goals"]["cells"]:
+        assert c["goals"]["int8"] == {**c["goals"]["int8"], "status": "not measured", "why": "no int8 peer (--peers)"}
+        assert c["goals"]["pruned+int8"]["why"] == "no pruned+int8 variant of ours; no int8 peer (--peers)"
 
 
 def test_a_variant_that_crashes_becomes_an_error_entry(tiny_variants, tmp_path):
@@ -175,6 +177,40 @@ def test_edge_profile_reports_cpu_features_and_the_arm64_preset(tiny_variants, t
     assert "## Edge profile" in md and "U8S8" in md and "asimddp" in md
 
 
+def test_variant_kinds_lineage_and_files(tiny_model_dir, tiny_variants, tmp_path):
+    from t5compress.bench.variants import resolve
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+
+    export(tiny_model_dir, ExportConfig(decoders="merged"), tmp_path / "merged")
+    v = resolve(f"m={tmp_path / 'merged'}")
+    assert (v.kind, v.precision, v.files) == ("onnx", "fp32", ["encoder_model.onnx", "decoder_model_merged.onnx"])
+    assert v.label == "ONNX merged fp32" and v.size_bytes == sum((tmp_path / "merged" / f).stat().st_size
+                                                                 for f in v.files)
+    v = resolve(str(tiny_variants["int8"]))
+    assert (v.precision, v.label, v.lineage[:2]) == ("int8", "ONNX int8 dynamic", ["quantize", "export"])
+    assert resolve(str(tiny_model_dir)).owner == "baseline"
+
+
+@pytest.mark.slow  # ~35 s on a loaded 2-core machine: a TorchScript export, a prune and a second export
+def test_torchscript_and_pruned_variants(tiny_model_dir, demo_jsonl, tmp_path):
+    from t5compress.bench.variants import resolve
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+    from t5compress.prune.stage import PruneConfig
+    from t5compress.prune.stage import run as prune
+
+    export(tiny_model_dir, ExportConfig(format="torchscript"), tmp_path / "ts")
+    v = resolve(str(tmp_path / "ts"))
+    assert (v.name, v.kind, v.owner) == ("ts", "torchscript", "ours") and len(v.files) == 3
+    prune(tiny_model_dir, PruneConfig(calib_data=str(demo_jsonl), heads=0.5, ffn=0.5, criterion="magnitude",
+                                      calib_examples=8, eval_max_examples=2, latency_examples=0),
+          tmp_path / "pruned", progress=False)
+    export(tmp_path / "pruned", ExportConfig(), tmp_path / "pruned-onnx")
+    v = resolve(str(tmp_path / "pruned-onnx"))
+    assert v.pruned and v.lineage[:2] == ["export", "prune"] and v.label == "ONNX fp32 (pruned)"
+
+
 def test_cpu_features_of_an_arm64_board():
     info = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 asimddp i8mm\nCPU part\t: 0xd0b\n"
     f = cpu_features(info, machine="aarch64")
@@ -198,6 +234,8 @@ def test_bad_inputs_get_one_line_and_nothing_written(tiny_variants, tmp_path):
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out), "--peers", "ctranslate2-int8"],
          "no variant is one", out)
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out), "--peers", "tensorrt"], "unknown peer", out)
+    _bad(["bench", str(tiny_variants["pt"]), f"ctranslate2-int8={tiny_variants['int8']}", "--out", str(out),
+          "--peers", "ctranslate2-int8"], "also a peer's name", out)
     out.mkdir()
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out)], "already exists", out)
     assert list(out.iterdir()) == []

@@ -14,7 +14,8 @@ PEERS = ("pytorch", "optimum-fp32", "optimum-int8", "ctranslate2-int8", "openvin
 @dataclass(frozen=True)
 class BenchConfig:
     data: str | None = opt(None, "Eval data (any file `train` reads): accuracy (exact match, ROUGE-L, BLEU) and the "
-                                 "texts the latency inputs are cut from. Without it, latency only, on generated text.")
+                                 "texts the latency inputs are cut from. Without it, generated sentences: latency, and"
+                                 " agreement with the first variant as the accuracy.")
     field: str = opt("source", "Field of the eval records holding the input text.")
     target_field: str = opt("target", "Field of the eval records holding the reference output.")
     prefix: str = opt("", "Task prefix added to every eval text, as in `train`.")
@@ -35,7 +36,7 @@ class BenchConfig:
                             "the CPU features found.")
     timeout_s: int = opt(1800, "Give up on a variant whose measuring process runs longer than this (seconds).")
     plots: bool = opt(True, "Write PNG plots (latency vs accuracy with the Pareto front, sizes, latency vs batch).")
-    seed: int = opt(0, "Seed for the latency inputs.")
+    seed: int = opt(0, "Seed of the generated sentences used without --data.")
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "threads", "beams"):

@@ -53,10 +53,14 @@ def per_cell(entries: list[dict], keys: list[tuple[int, int, int]]) -> list[dict
                 g["speedup"] = round(b[1] / a[1], 2)
                 g["status"] = "hit" if (g["speedup"] > need if goal == "fp32" else g["speedup"] >= need) else "missed"
             else:
-                g["status"] = "not measured"
-                g["why"] = ("no valid result of ours" if not ours or not a else "") + (
-                    "; " if not a and not b else "") + (f"no valid {peer_precision} peer" if not b else "")
-                g["why"] = g["why"].strip("; ") or "no valid result"
+                why = []
+                if not a:
+                    why.append(f"no {goal} variant of ours" if not ours else
+                               "no result of ours of exactly the forced length")
+                if not b:
+                    why.append(f"no {peer_precision} peer (--peers)" if not peers else
+                               f"no {peer_precision} peer result of exactly the forced length")
+                g.update(status="not measured", why="; ".join(why))
             row["goals"][goal] = g
         rows.append(row)
     return rows

@@ -67,10 +67,10 @@ def _pareto(r: dict, plt):
     front = set(pareto_front(points))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     owner = {e["name"]: e["owner"] for e in r["entries"]}
-    for name, ms, acc in points:
+    for i, (name, ms, acc) in enumerate(sorted(points, key=lambda p: p[1])):
         ax.scatter(ms, acc, s=70 if name in front else 35, color=COLORS[owner[name]],
                    edgecolors="black" if name in front else "none", zorder=3)
-        ax.annotate(name, (ms, acc), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.annotate(name, (ms, acc), textcoords="offset points", xytext=(5, 4 + 10 * (i % 3)), fontsize=8)
     line = sorted((ms, acc) for name, ms, acc in points if name in front)
     if line:
         ax.plot([x for x, _ in line], [y for _, y in line], "--", color="black", lw=1, label="Pareto front")
@@ -104,13 +104,13 @@ def _batch(r: dict, plt):
         pts = [(b, cell_of(e, (threads, b, beams))) for b in s["batch_sizes"]]
         pts = [(b, c["p50_ms"]) for b, c in pts if valid(c)]
         if pts:
-            ax.plot([b for b, _ in pts], [m for _, m in pts], "o-", label=e["name"],
-                    color=None if e["owner"] == "ours" else COLORS[e["owner"]], alpha=0.9)
+            style = {"ours": "o-", "baseline": "s:", "peer": "^--"}[e["owner"]]
+            ax.plot([b for b, _ in pts], [m for _, m in pts], style, label=e["name"], alpha=0.9)
     ax.set_xlabel("batch size")
     ax.set_ylabel("p50 ms per call")
     ax.set_xticks(s["batch_sizes"])
-    ax.set_title(f"Latency vs batch size ({threads} thread, {'greedy' if beams == 1 else f'beam {beams}'}, "
-                 f"{s['output_tokens']} tokens out)", fontsize=9)
+    ax.set_title(f"Latency vs batch size: ours solid, peers dashed, PyTorch dotted\n{threads} thread, "
+                 f"{'greedy' if beams == 1 else f'beam {beams}'}, {s['output_tokens']} tokens out", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return fig

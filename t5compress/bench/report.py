@@ -219,3 +219,24 @@ def _peers(r: dict) -> list[str]:
     if errors:
         lines += ["## Failed", ""] + [f"- {x['name']}: {x['error']}" for x in errors] + [""]
     return lines
+
+
+def rerender(bench_json: Path) -> str:
+    """Recompute the goals of a bench.json and rewrite it and its report.md (after the goal rules changed)."""
+    import json
+
+    from t5compress.artifacts import write_json
+
+    r = json.loads(Path(bench_json).read_text())
+    rows = goals.per_cell(r["entries"], grid_of(r))
+    r["goals"] = {"cells": rows, "summary": goals.summary(rows), "size": goals.sizes(r["entries"])}
+    write_json(bench_json, r)
+    md = markdown(r)
+    Path(bench_json).with_name("report.md").write_text(md)
+    return md
+
+
+if __name__ == "__main__":  # python -m t5compress.bench.report OUT/bench.json
+    import sys
+
+    rerender(Path(sys.argv[1]))

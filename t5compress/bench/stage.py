@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -43,14 +44,15 @@ def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = Fa
     started = time.perf_counter()
     out = artifacts.check_output(out, force)
     cfg = effective(cfg)
-    entries = resolve_all(list(variants))
+    entries = resolve_all([str(v) for v in variants])
     base = next((v for v in entries if v.kind == "pytorch"), None)
+    clash = [v.name for v in entries if v.name in cfg.peer_names and v.name != "pytorch"]  # that peer is a variant
+    if clash:
+        raise ConfigError(f"variant name {clash[0]!r} is also a peer's name; name it otherwise (NAME=PATH)")
     if cfg.peer_names and base is None:
         raise ConfigError("--peers are prepared from a PyTorch model dir, and no variant is one; add the model dir "
                           "the exports came from")
-    first = entries[0].name  # agreement is measured against the first variant given, whatever the order below
-    if cfg.edge:  # int8 first: what an edge box would run
-        entries.sort(key=lambda v: v.precision != "int8")
+    first = entries[0].name  # agreement is against the first variant given, even when --edge puts int8 first
     for v in entries:
         if v.kind == "ctranslate2":
             v.settings.setdefault("compute_type", "int8" if v.precision == "int8" else "default")
@@ -60,9 +62,12 @@ def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = Fa
         inputs.save(tmp / "inputs.npz")
         with _Bar(progress) as bar:
             peers, skipped = prepare_peers(cfg, base, tmp, bar) if base else ([], {})
-            results = {v.name: measure(v, cfg, inputs, tmp, bar) for v in [*entries, *peers]}
+            measured = [*entries, *peers]
+            if cfg.edge:
+                measured.sort(key=lambda v: v.precision != "int8")
+            results = {v.name: measure(v, cfg, inputs, tmp, bar) for v in measured}
         (tmp / "inputs.npz").unlink()
-        report = reporting.assemble(cfg, [*entries, *peers], results, inputs, skipped, first, out, tmp)
+        report = reporting.assemble(cfg, measured, results, inputs, skipped, first, out, tmp)
         report["seconds"] = round(time.perf_counter() - started, 1)
         if cfg.plots:
             from t5compress.bench.plots import write_plots
@@ -86,7 +91,7 @@ def prepare_peers(cfg: BenchConfig, base: Variant, tmp: Path, bar: _Bar) -> tupl
         settings = {**peer.settings, **locked_settings(cfg)}
         if name == "pytorch":  # the baseline is the first PyTorch variant itself, run with transformers' generate
             base.settings.update(settings)
-            base.label = f"{base.label} ({peer.label})"
+            base.label = f"{base.label} (peer: transformers generate)"
             bar.advance(task)
             continue
         dest, info, why = tmp / "peers" / name, None, []
@@ -142,7 +147,8 @@ def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, bar: _Bar) 
     if timed_out:
         return {"error": f"timed out after {cfg.timeout_s} s (--timeout-s)"}
     if rc != 0 or result is None:
-        return {"error": f"worker exited with code {rc}: {_last_error(tmp / 'logs' / f'{v.name}.log')}"}
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        return {"error": f"worker {how}: {_last_error(tmp / 'logs' / f'{v.name}.log')}"}
     return result
 
 
