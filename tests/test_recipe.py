@@ -253,6 +253,8 @@ def test_demo_is_the_quickstart_recipe(tmp_path):
     assert r.stage("model").config.train.eval_every == 10
     default = demo.load(demo.DemoConfig())  # the demo's defaults are the recipe's own settings: one fingerprint
     assert recipe.plan(default) == recipe.plan(recipe.load(ROOT / "recipes" / "quickstart.yaml"))
+    res = runner.invoke(app, ["run", "quickstart", "--only", "int8", "--out", str(tmp_path / "q"), "--dry-run"])
+    assert res.exit_code == 0 and "5 of 5 stages to run" in res.output and "pruned" not in res.output
     res = runner.invoke(app, ["demo", "--max-steps", "0", "--dry-run"])
     assert res.exit_code == 2 and "max_steps: must be > 0" in res.output
 
