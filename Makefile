@@ -30,8 +30,11 @@ $(TRITON_STAMP): $(TRITON_REQS)
 
 triton-env: $(TRITON_STAMP)  ## Triton server environment (~25 s, ~0.5 GB): what `t5compress serve` runs
 
-demo: $(STAMP)  ## build, fine-tune, evaluate and export a small T5 on generated data
-	$(BIN)/t5compress demo --out runs/demo --force
+# The quickstart recipe (recipes/quickstart.yaml, embedded in the package): generated data, a tiny T5 fine-tuned on it,
+# ONNX, int8 and pruned + int8 variants, ending in the bench report (runs/quickstart/bench/report.md and plots).
+# A second `make demo` skips every stage that is done and unchanged; `make demo ARGS=--force` redoes them all.
+demo: $(STAMP)  ## the quickstart recipe: train, export, int8, prune a small T5 on generated data, then benchmark
+	$(BIN)/t5compress demo $(ARGS)
 
 test: $(STAMP) $(TRITON_STAMP)  ## the whole suite, slow and server tests included (what CI runs)
 	$(BIN)/python -m pytest -q

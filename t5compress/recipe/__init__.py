@@ -1,0 +1,21 @@
+"""Recipes: one YAML file that runs a whole chain (data → create | load → train | qat | prune → export → quantize →
+triton → bench), validated before anything runs, each stage in its own directory, completed stages skipped on rerun.
+
+    from t5compress import recipe
+    result = recipe.run(recipe.load("recipes/quickstart.yaml"))
+
+`schema` reads the YAML and turns a stage's settings into that stage's own config (the CLI's field names and checks);
+`stages` is the registry of stage kinds (and of the planned ones not landed yet); `plan` validates the chain and
+decides, from fingerprints, what runs and what is skipped; `runner` runs it.
+"""
+
+from pathlib import Path
+
+from t5compress.recipe.plan import Recipe, Stage, load, plan
+from t5compress.recipe.runner import run
+from t5compress.recipe.schema import RecipeError
+from t5compress.recipe.stages import KINDS, PLANNED
+
+QUICKSTART = Path(__file__).with_name("quickstart.yaml")  # the embedded default; recipes/quickstart.yaml is the same
+
+__all__ = ["KINDS", "PLANNED", "QUICKSTART", "Recipe", "RecipeError", "Stage", "load", "plan", "run"]

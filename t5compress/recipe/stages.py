@@ -1,0 +1,382 @@
+"""The stages a recipe can chain, in a registry: what each consumes and produces, how its settings become the
+stage's own config (the CLI's), how it runs, and the key numbers its report gives.
+
+    data → create | load → train | qat → prune → export → quantize → triton → bench
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from t5compress import artifacts
+from t5compress.config import option, require
+from t5compress.recipe import schema, summary
+
+log = logging.getLogger(__name__)
+
+# Artifacts passed between stages.
+DATA, MODEL, QAT_MODEL, EXPORT, INT8, REPOSITORY, BENCH = (
+    "data", "model", "qat-model", "export", "int8 export", "model repository", "bench report")
+# A stage named here is planned but has not landed in this version: a recipe using it is rejected, not skipped.
+PLANNED = {
+    "pretrain": "span-corruption pre-training (issue 8) has not landed yet; use create + train for now",
+}
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the stages before a stage give it: the data files and the directory of its input stage."""
+
+    train: str | None = None
+    eval: str | None = None
+    src: Path | None = None  # the input stage's directory (None for sources)
+    src_artifact: str | None = None
+    variants: tuple[Path, ...] = ()  # bench only: the variants' directories
+    names: tuple[str, ...] = ()  # and their stage ids, the names they get in the report
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of stage."""
+
+    name: str
+    rank: int  # position in the chain: a stage comes after the stages of lower rank it reads
+    consumes: tuple[str, ...]  # artifacts accepted as input; () for a source stage
+    keys: frozenset[str]  # setting keys (besides stage, input, variants)
+    build: Callable[[str, dict, Inputs], Any]  # (where, settings, inputs) -> the stage's config
+    execute: Callable[[Any, Inputs, Path, bool], dict]  # (config, inputs, out, progress) -> report
+    produces: Callable[[str | None], str]  # input artifact -> output artifact
+    summary: Callable[[dict], str]
+    help: str
+    available: Callable[[], bool] = lambda: True  # False: planned here, but its module has not landed
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+GENERATORS = ("demo",)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    generate: str | None = option(None, f"Generate the data: {', '.join(GENERATORS)} (the demo's two tasks).")
+    train: str | None = option(None, "Training data (any format `train` reads) instead of generated data.")
+    eval: str | None = option(None, "Held-out data; default: a split of the training data.")
+    train_examples: int = option(4000, "Generated training examples.")
+    eval_examples: int = option(200, "Generated held-out examples.")
+    seed: int = option(0, "Seed of the generated data.")
+
+    def __post_init__(self) -> None:
+        require((self.generate is None) != (self.train is None), "generate",
+                "give either generate (generated data) or train (a data file), not both or neither")
+        require(self.generate is None or self.generate in GENERATORS, "generate",
+                f"choose one of {', '.join(GENERATORS)}, got {self.generate!r}")
+        require(self.train_examples >= 10, "train_examples", f"must be >= 10, got {self.train_examples}")
+        require(self.eval_examples >= 2, "eval_examples", f"must be >= 2, got {self.eval_examples}")
+        for name in ("train", "eval"):
+            path = getattr(self, name)
+            looks_like_file = path is not None and Path(path).suffix in DATA_SUFFIXES
+            require(not looks_like_file or Path(path).exists(), name, f"'{path}' does not exist")
+
+
+def data_files(spec: DataSpec, out: Path) -> tuple[str, str | None]:
+    """The train and eval files a data stage gives the stages after it."""
+    if spec.generate:
+        return str(out / "train.jsonl"), str(out / "eval.jsonl")
+    return spec.train, spec.eval
+
+
+def _run_data(spec: DataSpec, inputs: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.demo import make_examples, write_jsonl
+
+    with artifacts.staged_output(out, force=True) as tmp:
+        if spec.generate:
+            write_jsonl(tmp / "train.jsonl", make_examples(spec.train_examples, spec.seed))
+            write_jsonl(tmp / "eval.jsonl", make_examples(spec.eval_examples, spec.seed + 1))
+            counts = {"train": spec.train_examples, "eval": spec.eval_examples}
+        else:
+            counts = {"train": spec.train, "eval": spec.eval}
+        report = {"stage": "data", "generated": spec.generate, "examples": counts}
+        artifacts.write_meta(tmp, "data", dataclasses.asdict(spec), parent=None)
+        artifacts.write_report(tmp, report)
+    return report
+
+
+# --- load ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    model: str = option(help="Hub id (e.g. t5-small; needs a network once) or local model directory.")
+
+    def __post_init__(self) -> None:
+        require(bool(self.model), "model", "give a hub id or a model directory")
+        from t5compress.models import is_local
+
+        require(not is_local(self.model) or Path(self.model).is_dir(), "model", f"'{self.model}' is not a directory")
+
+
+def _run_load(spec: LoadSpec, inputs: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
+
+    model, tokenizer = load_model(spec.model), load_tokenizer(spec.model)
+    report = {"stage": "load", "source": spec.model, "model": describe(model)}
+    with artifacts.staged_output(out, force=True) as tmp:
+        save_model_dir(model, tokenizer, tmp)
+        artifacts.write_meta(tmp, "load", dataclasses.asdict(spec), parent=spec.model)
+        artifacts.write_report(tmp, report)
+    return report
+
+
+# --- the stages that already exist as CLI commands ----------------------------------------------------------------
+
+
+def _defaults(settings: dict, **values: Any) -> dict:
+    """`settings` with the data the stages before give, where the recipe does not say otherwise."""
+    return {**{k: v for k, v in values.items() if v is not None}, **settings}
+
+
+def _build_create(where: str, s: dict, i: Inputs):
+    from t5compress.create import CreateConfig
+    from t5compress.data import DataConfig
+
+    text = i.train if s.get("tokenizer", "unigram") == "unigram" else None
+    return schema.build(where, CreateConfig, _defaults(s, text=text), {"data": DataConfig})
+
+
+def _finetune(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
+    return schema.build(where, cls, _defaults(s, train_data=i.train, eval_data=i.eval), flatten)
+
+
+def _build_train(where: str, s: dict, i: Inputs):
+    from t5compress.data import DataConfig
+    from t5compress.trainer import TrainConfig
+    from t5compress.training import FinetuneConfig
+
+    return _finetune(where, s, i, FinetuneConfig, {"data": DataConfig, "train": TrainConfig})
+
+
+def _build_qat(where: str, s: dict, i: Inputs):
+    from t5compress.data import DataConfig
+    from t5compress.quantize.qat import QatConfig
+    from t5compress.quantize.scheme import FakeQuantConfig
+    from t5compress.trainer import TrainConfig
+    from t5compress.training import FinetuneConfig
+
+    flatten = {"finetune": (FinetuneConfig, {"data": DataConfig, "train": TrainConfig}), "quant": FakeQuantConfig}
+    return _finetune(where, s, i, QatConfig, flatten)
+
+
+def _recover_flatten() -> dict:
+    from t5compress.data import DataConfig
+    from t5compress.distill import DistillConfig
+    from t5compress.trainer import TrainConfig
+
+    return {"kd": DistillConfig, "data_cfg": DataConfig, "train": TrainConfig}
+
+
+def _build_prune(where: str, s: dict, i: Inputs):
+    from t5compress.data import DataConfig
+    from t5compress.prune.recover import RecoverConfig
+    from t5compress.prune.stage import PruneConfig
+
+    rec = s.get("recover")
+    recover = None
+    if rec is not None and rec is not False:
+        if rec is True:
+            rec = {}
+        if not isinstance(rec, dict):
+            raise schema.RecipeError(f"{where}.recover: expected a mapping of recovery settings or true, got {rec!r}")
+        flatten = _recover_flatten()
+        schema.check_keys(f"{where}.recover", rec, schema.flat_keys(RecoverConfig, flatten))
+        read = {k: v for k, v in s.items() if k in schema.flat_keys(DataConfig, {})}  # read the data as prune does
+        recover = schema.build(f"{where}.recover", RecoverConfig,
+                               _defaults({**read, **rec}, data=i.train, eval_data=i.eval), flatten)
+    settings = {k: v for k, v in s.items() if k != "recover"}
+    return schema.build(where, PruneConfig, _defaults(settings, calib_data=i.train, eval_data=i.eval),
+                        {"data": DataConfig}, fixed={"recover": recover})
+
+
+def _build_export(where: str, s: dict, i: Inputs):
+    from t5compress.export.stage import ExportConfig
+
+    return schema.build(where, ExportConfig, s)
+
+
+def _build_quantize(where: str, s: dict, i: Inputs):
+    from t5compress.quantize import QuantizeConfig
+
+    calib = i.train if s.get("mode", "static") == "static" else None
+    return schema.build(where, QuantizeConfig, _defaults(s, calib_data=calib))
+
+
+def _build_triton(where: str, s: dict, i: Inputs):
+    from t5compress.triton.stage import TritonConfig
+
+    return schema.build(where, TritonConfig, s)
+
+
+def _build_bench(where: str, s: dict, i: Inputs):
+    from t5compress.bench import BenchConfig
+
+    return schema.build(where, BenchConfig, _defaults(s, data=i.eval))
+
+
+def _run_create(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress import create
+
+    return create.run(cfg, out, force=True)
+
+
+def _run_train(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress import training
+
+    return training.run(str(i.src), cfg, out, force=True, progress=progress)
+
+
+def _run_qat(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.quantize import qat
+
+    return qat.run(str(i.src), cfg, out, force=True, progress=progress)
+
+
+def _run_prune(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.prune import run
+
+    return run(i.src, cfg, out, force=True, progress=progress)
+
+
+def _run_export(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.export import stage
+
+    return stage.run(i.src, cfg, out, force=True)
+
+
+def _run_quantize(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.quantize import run
+
+    return run(i.src, cfg, out, force=True, progress=progress)
+
+
+def _run_triton(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.triton.stage import run
+
+    return run(i.src, cfg, out, force=True)
+
+
+def _run_bench(cfg, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress import bench
+
+    return bench.run([f"{name}={path}" for name, path in zip(i.names, i.variants, strict=True)], cfg, out,
+                     force=True, progress=progress)
+
+
+@dataclass(frozen=True)
+class PretrainSpec:
+    """The `pretrain` stage: its corpus (the command's SRC argument) beside the stage's own config."""
+
+    corpus: str
+    config: Any
+
+
+def _build_pretrain(where: str, s: dict, i: Inputs) -> PretrainSpec:
+    from t5compress.pretrain.stage import PretrainConfig
+    from t5compress.trainer import TrainConfig
+
+    corpus = s.get("corpus")
+    if not isinstance(corpus, str) or not corpus:
+        raise schema.RecipeError(f"{where}.corpus: required: the text (a file, folder or dataset) to pre-train on")
+    return PretrainSpec(corpus, schema.build(where, PretrainConfig, s, {"train": TrainConfig}))
+
+
+def _run_pretrain(spec: PretrainSpec, i: Inputs, out: Path, progress: bool) -> dict:
+    from t5compress.pretrain.stage import run
+
+    return run(spec.corpus, spec.config, out, force=True, progress=progress)
+
+
+def _register_pretrain() -> None:
+    """Pre-training (issue 8) joins the chain as a source of models once its module is in the package."""
+    import importlib.util
+
+    if importlib.util.find_spec("t5compress.pretrain") is None:
+        return
+    from t5compress.pretrain.stage import PretrainConfig
+    from t5compress.trainer import TrainConfig
+
+    PLANNED.pop("pretrain", None)
+    _register(Kind("pretrain", 1, (), frozenset(), _build_pretrain, _run_pretrain, _same, summary.train_summary,
+                   "span-corruption pre-training of a new model"), PretrainConfig, {"train": TrainConfig},
+              extra=("corpus",))
+
+
+def _bench_landed() -> bool:
+    from t5compress import bench
+
+    return callable(getattr(bench, "run", None))
+
+
+def _same(artifact: str | None) -> str:
+    return MODEL
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def _register(kind: Kind, cls: type | None = None, flatten: dict | None = None, extra: tuple[str, ...] = ()) -> None:
+    keys = set(extra)
+    if cls is not None:
+        keys |= schema.flat_keys(cls, flatten or {})
+    KINDS[kind.name] = dataclasses.replace(kind, keys=frozenset(keys))
+
+
+def _setup() -> None:
+    from t5compress.bench import BenchConfig
+    from t5compress.create import CreateConfig
+    from t5compress.data import DataConfig
+    from t5compress.export.stage import ExportConfig
+    from t5compress.prune.stage import PruneConfig
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize.qat import QatConfig
+    from t5compress.quantize.scheme import FakeQuantConfig
+    from t5compress.trainer import TrainConfig
+    from t5compress.training import FinetuneConfig
+    from t5compress.triton.stage import TritonConfig
+
+    ft = {"data": DataConfig, "train": TrainConfig}
+    none = frozenset()
+    _register(Kind("data", 0, (), none, lambda w, s, i: schema.build(w, DataSpec, s), _run_data, lambda a: DATA,
+                   summary.data_summary, "generated demo data or your data files"), DataSpec)
+    _register(Kind("create", 1, (), none, _build_create, _run_create, _same, summary.params,
+                   "a new randomly initialised T5 of a named architecture"), CreateConfig, {"data": DataConfig})
+    _register(Kind("load", 1, (), none, lambda w, s, i: schema.build(w, LoadSpec, s), _run_load, _same,
+                   summary.params,
+                   "a checkpoint from the Hub or a local directory"), LoadSpec)
+    _register(Kind("train", 2, (MODEL,), none, _build_train, _run_train, _same, summary.train_summary,
+                   "fine-tune"), FinetuneConfig, ft)
+    _register(Kind("qat", 2, (MODEL,), none, _build_qat, _run_qat, lambda a: QAT_MODEL, summary.train_summary,
+                   "quantization-aware fine-tuning"), QatConfig, {"finetune": (FinetuneConfig, ft),
+                                                                 "quant": FakeQuantConfig})
+    _register(Kind("prune", 2, (MODEL,), none, _build_prune, _run_prune, _same, summary.prune_summary,
+                   "remove heads / FFN channels / layers, then recover"), PruneConfig, {"data": DataConfig})
+    _register(Kind("export", 4, (MODEL, QAT_MODEL), none, _build_export, _run_export,
+                   lambda a: INT8 if a == QAT_MODEL else EXPORT, summary.export_summary,
+                   "ONNX or TorchScript graphs"),
+              ExportConfig)
+    _register(Kind("quantize", 5, (EXPORT,), none, _build_quantize, _run_quantize, lambda a: INT8,
+                   summary.quantize_summary, "int8 (static or dynamic)"), QuantizeConfig)
+    _register(Kind("triton", 6, (EXPORT, INT8), none, _build_triton, _run_triton, lambda a: REPOSITORY,
+                   lambda r: f"{len(r.get('models') or {})} models, {summary.mb(r.get('bytes'))}",
+                   "a Triton model repository"), TritonConfig)
+    _register(Kind("bench", 7, (MODEL, QAT_MODEL, EXPORT, INT8), none, _build_bench, _run_bench, lambda a: BENCH,
+                   summary.bench_summary, "latency and accuracy of the variants", _bench_landed), BenchConfig,
+              extra=("variants",))
+    _register_pretrain()
+
+
+_setup()
