@@ -8,8 +8,8 @@ documents from text, JSON Lines, folders or datasets), `stream` (packed, shuffle
 the held-out loss), `stage` (the config and `run`). The training loop is the shared `t5compress.trainer`.
 """
 
-from t5compress.pretrain.spans import SpanCorruption, compute_input_and_target_lengths, noise_mask, pack
+from t5compress.pretrain.spans import SpanCorruption, apply_mask, compute_input_and_target_lengths, noise_mask, pack
 from t5compress.pretrain.stage import NANOT5, PretrainConfig, run
 
-__all__ = ["NANOT5", "PretrainConfig", "SpanCorruption", "compute_input_and_target_lengths", "noise_mask", "pack",
-           "run"]
+__all__ = ["NANOT5", "PretrainConfig", "SpanCorruption", "apply_mask", "compute_input_and_target_lengths",
+           "noise_mask", "pack", "run"]

@@ -137,11 +137,16 @@ class SpanCorruption:
         """tokens (B, tokens_length) -> input_ids (B, inputs_length) and labels (B, targets_length), int64."""
         if tokens.ndim != 2 or tokens.shape[1] != self.tokens_length:
             raise ValueError(f"expected (batch, {self.tokens_length}) tokens, got {tokens.shape}")
-        tokens = tokens.astype(np.int64, copy=False)
         mask = noise_mask(rng, tokens.shape[0], self.tokens_length, self.noise_density, self.mean_noise_span_length)
-        sentinels = np.asarray(self.sentinel_ids, dtype=np.int64)
-        return {"input_ids": _corrupt(tokens, mask, sentinels, self.eos_id),  # (B, inputs_length)
-                "labels": _corrupt(tokens, ~mask, sentinels, self.eos_id)}  # (B, targets_length)
+        return apply_mask(tokens, mask, self.sentinel_ids, self.eos_id)
+
+
+def apply_mask(tokens: np.ndarray, mask: np.ndarray, sentinel_ids, eos_id: int) -> dict[str, np.ndarray]:
+    """T5 inputs and labels of `tokens` (B, L) under the noise `mask` (B, L); every row needs as many noise spans."""
+    tokens = tokens.astype(np.int64, copy=False)
+    sentinels = np.asarray(sentinel_ids, dtype=np.int64)
+    return {"input_ids": _corrupt(tokens, mask, sentinels, eos_id),  # (B, L - noise + spans + 1)
+            "labels": _corrupt(tokens, ~mask, sentinels, eos_id)}  # (B, noise + spans + 1)
 
 
 def pack(documents: Iterable[list[int]], length: int) -> Iterator[np.ndarray]:

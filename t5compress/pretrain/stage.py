@@ -122,7 +122,7 @@ def _set_dropout(model, p: float) -> float:
 
 def run(
     src: str | Path, cfg: PretrainConfig, out: str | Path, force: bool = False, resume: bool = False,
-    progress: bool = True,
+    progress: bool = True, on_step=None,
 ) -> dict:
     """Pre-train on the corpus `src` (file, folder or dataset) and write the model directory `out`; the report."""
     from t5compress.architectures import architecture
@@ -152,7 +152,8 @@ def run(
     stream = PackedStream(corpus, tokenizer, collator, cfg.train.batch_size, seed=cfg.seed,
                           shuffle_buffer=cfg.shuffle_buffer)
     saved_rate = _set_dropout(model, cfg.dropout)
-    summary = fit(model, tokenizer, stream, evalset, cfg.train, work, resume, loss_fn=span_loss, progress=progress)
+    summary = fit(model, tokenizer, stream, evalset, cfg.train, work, resume, loss_fn=span_loss, progress=progress,
+                  on_step=on_step)
     _set_dropout(model, saved_rate)
     from t5compress.checkpoint import load_best
 
