@@ -184,6 +184,18 @@ def _mixed_precision(cfg: TrainConfig) -> str:
     return "no"
 
 
+def _accelerator(mixed_precision: str):
+    """An Accelerator with this run's precision. accelerate keeps one process-wide state and refuses another
+    precision later in the same process (a bf16 pre-training then an fp32 fine-tune): start that state afresh,
+    keeping the process group (PartialState) as it is."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state and AcceleratorState._shared_state.get("_mixed_precision") != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(mixed_precision=mixed_precision)
+
+
 def _count_tokens(batch: dict) -> int:
     """Tokens the step trained on: input tokens that are not padding plus target tokens that are not ignored."""
     inputs = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
@@ -210,13 +222,12 @@ def fit(
 ) -> dict:
     """Train `model` in place; checkpoints go to `workdir`. Returns the training summary and evaluation history."""
     import torch
-    from accelerate import Accelerator
 
     from t5compress import checkpoint as ckpt
     from t5compress.evaluation import token_loss
 
     loss_fn = loss_fn or token_loss
-    acc = Accelerator(mixed_precision=_mixed_precision(cfg))
+    acc = _accelerator(_mixed_precision(cfg))
     torch.manual_seed(cfg.seed)
     n_train = len(train.input_ids) if isinstance(train, Encoded) else None
     steps = total_steps(cfg, n_train, acc.num_processes)
