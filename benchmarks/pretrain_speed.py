@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="ours: torch.compile (compile time counts as warm-up)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--name", default="pretrain_speed", help="stem of the JSON and Markdown files")
     args = ap.parse_args()
 
     from t5compress import pretrain
@@ -209,8 +210,8 @@ def main() -> None:
                        "loss_goal_met": ours_eval["loss"] <= hf_eval["loss"]}
     assert math.isfinite(ratio)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pretrain_speed.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "pretrain_speed.md").write_text(markdown(result))
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(markdown(result))
     print(markdown(result))
 
 
