@@ -128,7 +128,7 @@ def test_pretraining_lowers_held_out_loss_and_the_dir_fine_tunes_and_exports(toy
     out = tmp_path / "pre"
     report = run(str(toy), _cfg(), out, progress=False)
     before, after = report["eval_before"]["loss"], report["eval"]["loss"]
-    assert before > 5.0 and after < 0.65 * before, (before, after)  # measured: 6.17 -> 3.34
+    assert before > 5.0 and after < 0.65 * before, (before, after)  # measured: 6.17 -> 3.34 (fp32 and bf16 alike)
     assert report["objective"]["tokens_length"] == 70 and report["objective"]["targets_length"] == 14
     assert report["train"]["tokens_per_second"] > 0 and not (tmp_path / "pre.partial").exists()
     meta = json.loads((out / "t5compress.json").read_text())

@@ -109,6 +109,26 @@ def _model_and_tokenizer(corpus: Corpus, cfg: PretrainConfig, work: Path, resume
     return model, tokenizer
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast trains ~1.5-2x faster;
+    elsewhere bf16 is emulated and slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _resolved(train: TrainConfig) -> TrainConfig:
+    """nanoT5 trains in bf16 where the hardware has it: `auto` also means bf16 on CPUs with native bf16."""
+    import torch
+
+    if train.precision == "auto" and not torch.cuda.is_available() and native_bf16_cpu():
+        return dataclasses.replace(train, precision="bf16")
+    return train
+
+
 def _set_dropout(model, p: float) -> float:
     """Set every dropout module's rate (the config keeps its own value for fine-tuning); returns the old rate."""
     import torch
@@ -152,7 +172,8 @@ def run(
     stream = PackedStream(corpus, tokenizer, collator, cfg.train.batch_size, seed=cfg.seed,
                           shuffle_buffer=cfg.shuffle_buffer)
     saved_rate = _set_dropout(model, cfg.dropout)
-    summary = fit(model, tokenizer, stream, evalset, cfg.train, work, resume, loss_fn=span_loss, progress=progress,
+    train = _resolved(cfg.train)
+    summary = fit(model, tokenizer, stream, evalset, train, work, resume, loss_fn=span_loss, progress=progress,
                   on_step=on_step)
     _set_dropout(model, saved_rate)
     from t5compress.checkpoint import load_best
@@ -170,7 +191,7 @@ def run(
         * (cfg.inputs_length + collator.targets_length),
         "eval_before": before,
         "eval": {**after, "step": (best or {}).get("step", summary["steps"])},
-        "train": summary,
+        "train": {**summary, "precision": train.precision},
     }
     with artifacts.staged_output(out, force=True) as tmp:
         save_model_dir(model, tokenizer, tmp)
