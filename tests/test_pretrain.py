@@ -198,6 +198,14 @@ def test_folders_of_text_and_jsonl_stream_in_order_with_a_held_out_share(tmp_pat
     assert list(corpus.documents()) == ["one", "two", "three", "four"]
     assert list(corpus.split(train=True)) == ["one", "three"] and list(corpus.split(train=False)) == ["two", "four"]
 
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": ["five", "six"]})}).save_to_disk(
+        str(tmp_path / "ds"))
+    assert list(Corpus(str(tmp_path / "ds"), text_field="body").documents()) == ["five", "six"]
+    with pytest.raises(DataError, match=r"no field 'text' \(fields: body\)"):
+        list(Corpus(str(tmp_path / "ds")).documents())
+
 
 # --- CLI -------------------------------------------------------------------------------------------------------
 
