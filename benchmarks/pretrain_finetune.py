@@ -5,7 +5,7 @@ Same architecture (the demo's: t5-efficient-tiny, d_model 128, 2+2 layers), same
   toy corpus -> t5compress pretrain -> model dir  -> t5compress train (demo task) -> exact match on held-out data
                  (same config, random weights) ---> t5compress train (same options) -> exact match
 
-    PYTHONPATH=. .venv/bin/python benchmarks/pretrain_finetune.py       # ~4 min on 2 busy cores
+    PYTHONPATH=. .venv/bin/python benchmarks/pretrain_finetune.py       # ~6 min on 2 busy cores (1 thread)
 
 Writes benchmarks/results/pretrain_finetune.json and .md.
 """
@@ -29,7 +29,7 @@ DEMO_SHAPE = {"d_model": 128, "d_ff": 512, "num_heads": 4, "d_kv": 32, "num_laye
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=12000, help="toy corpus documents")
-    ap.add_argument("--pretrain-steps", type=int, default=400)
+    ap.add_argument("--pretrain-steps", type=int, default=800)
     ap.add_argument("--finetune-steps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", default="bf16", help="pre-training precision (fine-tuning: the trainer default)")
