@@ -60,11 +60,13 @@ def _hf_random_spans_noise_mask(length: int, noise_density: float, mean_span: fl
     return np.equal(np.cumsum(indicator) % 2, 1)
 
 
-def _hf_sentinel_ids(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+def _hf_sentinel_ids(mask: np.ndarray, n_tokens: int) -> np.ndarray:
     start = mask - np.roll(mask, 1, axis=-1) * mask
     start[:, 0] = mask[:, 0]
     sentinel = np.where(start != 0, np.cumsum(start, axis=-1), start)
-    sentinel = np.where(sentinel != 0, sentinel + vocab_size - 1, 0)  # extra_id_0 = vocab_size - 1, counting down
+    # the script's current form, len(tokenizer) - k: extra_id_0 = len(tokenizer) - 1, counting down (older versions
+    # had `k + vocab_size - 1`, which counts *up* from past the vocabulary)
+    sentinel = np.where(sentinel != 0, n_tokens - sentinel, 0)
     return sentinel - (mask - start)
 
 
@@ -74,12 +76,12 @@ def _hf_filter(input_ids: np.ndarray, sentinel: np.ndarray, eos: int) -> np.ndar
     return np.concatenate([kept, np.full((input_ids.shape[0], 1), eos, dtype=np.int32)], axis=-1)
 
 
-def hf_collate(examples: np.ndarray, vocab_size: int, eos: int, density: float, mean_span: float,
+def hf_collate(examples: np.ndarray, n_tokens: int, eos: int, density: float, mean_span: float,
                decoder_start: int = 0) -> dict[str, torch.Tensor]:
     batch, length = examples.shape
     mask = np.asarray([_hf_random_spans_noise_mask(length, density, mean_span) for _ in range(batch)])
-    input_ids = _hf_filter(examples, _hf_sentinel_ids(mask.astype(np.int8), vocab_size), eos)
-    labels = _hf_filter(examples, _hf_sentinel_ids((~mask).astype(np.int8), vocab_size), eos)
+    input_ids = _hf_filter(examples, _hf_sentinel_ids(mask.astype(np.int8), n_tokens), eos)
+    labels = _hf_filter(examples, _hf_sentinel_ids((~mask).astype(np.int8), n_tokens), eos)
     decoder_input_ids = np.zeros_like(labels)  # transformers' shift_tokens_right
     decoder_input_ids[:, 1:] = labels[:, :-1]
     decoder_input_ids[:, 0] = decoder_start
@@ -98,8 +100,9 @@ class HFLoop:
         self.samples = chunks[np.random.permutation(len(chunks))]
         self.prep_seconds = time.perf_counter() - t0
         self.model, self.tok, self.args, self.i = model.train(), tokenizer, args, 0
-        # the script's vocab_size: the tokenizer's, sentinels included (extra_id_0 at the top)
-        self.vocab = tokenizer.vocab_size
+        self.n_tokens = len(tokenizer)  # sentinels included: extra_id_0 is the last one
+        vocab = tokenizer.get_vocab()
+        assert vocab["<extra_id_0>"] == self.n_tokens - 1 and vocab["<extra_id_1>"] == self.n_tokens - 2
         self.opt = torch.optim.AdamW(model.parameters(), lr=args.hf_lr, weight_decay=0.0)
         warm = args.warmup
 
@@ -113,7 +116,7 @@ class HFLoop:
         n = self.args.batch_size
         rows = self.samples[(self.i * n) % len(self.samples):][:n]
         self.i += 1
-        batch = hf_collate(rows, self.vocab, self.tok.eos_token_id, 0.15, 3.0)
+        batch = hf_collate(rows, self.n_tokens, self.tok.eos_token_id, 0.15, 3.0)
         loss = self.model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
