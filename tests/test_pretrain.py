@@ -121,6 +121,19 @@ def test_pack_fills_blocks_exactly_in_stream_order():
     assert np.concatenate(blocks).tolist() == sum(docs, [])[:30]
 
 
+def test_adamwscale_scales_adams_step_by_the_parameters_rms():
+    from t5compress.optim import AdamWScale
+
+    big = torch.nn.Parameter(torch.tensor([3.0, 4.0]))  # rms sqrt(12.5) = 3.5355
+    tiny = torch.nn.Parameter(torch.tensor([1e-6, -1e-6]))  # rms below the 1e-3 floor
+    opt = AdamWScale([big, tiny], lr=0.1)
+    big.grad, tiny.grad = torch.tensor([1.0, -2.0]), torch.tensor([-1.0, 1.0])
+    opt.step()
+    # Adam's first step is lr * sign(grad); here times max(1e-3, rms(p))
+    assert torch.allclose(big.detach(), torch.tensor([3.0 - 0.35355, 4.0 + 0.35355]), atol=1e-4)
+    assert torch.allclose(tiny.detach(), torch.tensor([1e-6 + 1e-4, -1e-6 - 1e-4]), atol=1e-8)
+
+
 # --- pre-training a tiny model ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
