@@ -12,9 +12,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from t5compress.config import choose, option, require
 from t5compress.data import Encoded, Example, batch_order, collate
+from t5compress.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,13 @@ def _adafactor(params, cfg):
     return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, relative_step=False, scale_parameter=False)
 
 
-OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adafactor": _adafactor}
+def _adamwscale(params, cfg):
+    from t5compress.optim import AdamWScale
+
+    return AdamWScale(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+OPTIMIZERS: dict[str, Callable] = {"adamw": _adamw, "adafactor": _adafactor, "adamwscale": _adamwscale}
 
 
 def _cosine(step: int, warmup: int, total: int) -> float:
@@ -67,7 +75,7 @@ class TrainConfig:
     epochs: int = option(3, "Passes over the training data when --max-steps is 0.")
     batch_size: int = option(16, "Examples per batch (per process).")
     grad_accum: int = option(1, "Batches accumulated per optimizer step.")
-    optimizer: str = option("adamw", "Optimizer: adamw or adafactor.")
+    optimizer: str = option("adamw", "Optimizer: adamw, adafactor or adamwscale (AdamW with RMS-scaled steps).")
     lr: float = option(5e-4, "Peak learning rate.")
     weight_decay: float = option(0.0, "Weight decay.")
     schedule: str = option("cosine", "Learning-rate schedule after warm-up: cosine, inverse_sqrt or constant.")
@@ -84,6 +92,7 @@ class TrainConfig:
     patience: int = option(0, "Stop after this many evaluations without improvement (0: no early stopping).")
     save_every: int = option(0, "Write a resumable checkpoint every N steps; 0 means at every evaluation.")
     bucket: bool = option(True, "Batch examples of similar length together (less padding).")
+    compile: bool = option(False, "torch.compile the training forward pass (falls back to eager where it fails).")
     seed: int = option(0, "Random seed (initialisation, data order, dropout).")
 
     def __post_init__(self) -> None:
@@ -108,23 +117,62 @@ class EvalSet:
     encoded: Encoded
     max_new_tokens: int
 
+    def evaluate(self, model, tokenizer, cfg: TrainConfig, device) -> dict:
+        """Loss on the references and generation metrics (see `t5compress.evaluation.evaluate`)."""
+        from t5compress.evaluation import evaluate
 
-def total_steps(cfg: TrainConfig, n_examples: int, world: int = 1) -> int:
+        return evaluate(model, tokenizer, self.examples, self.encoded, cfg.eval_batch_size, self.max_new_tokens,
+                        cfg.eval_num_beams, device=device)
+
+
+class Evaluator(Protocol):
+    """Held-out evaluation: a dict holding at least `cfg.metric` (EvalSet, or pre-training's span-corruption loss)."""
+
+    def evaluate(self, model, tokenizer, cfg: TrainConfig, device) -> dict: ...
+
+
+class BatchStream(Protocol):
+    """Training batches from somewhere other than an in-memory `Encoded` (e.g. a streamed, packed corpus).
+
+    `batches(epoch, pos, rank, world)` yields (epoch, position after this batch, batch of CPU tensors, examples)
+    forever, deterministically, starting after batch `pos` of `epoch`: that is what makes a run resumable.
+    """
+
+    def batches(self, epoch: int, pos: int, rank: int, world: int) -> Iterator[tuple[int, int, dict, int]]: ...
+
+
+def total_steps(cfg: TrainConfig, n_examples: int | None, world: int = 1) -> int:
     if cfg.max_steps:
         return cfg.max_steps
+    if n_examples is None:
+        raise ConfigError("max_steps: a streamed training set has no epochs; give --max-steps")
     batches = math.ceil(n_examples / cfg.batch_size) // world
     return max(1, cfg.epochs * max(1, batches // cfg.grad_accum))
 
 
-def _batches(train: Encoded, cfg: TrainConfig, epoch: int, pos: int, rank: int, world: int) -> Iterator[tuple]:
-    """Endless (epoch, position, indices) stream, deterministic in (seed, epoch), resumable at (epoch, pos)."""
+def _batches(train: Encoded, cfg: TrainConfig, epoch: int, pos: int, rank: int, world: int, pad: int
+             ) -> Iterator[tuple]:
+    """Endless (epoch, position, batch, examples) stream, deterministic in (seed, epoch), resumable at (epoch, pos)."""
     lengths = [len(x) for x in train.input_ids]
     while True:
         order = batch_order(lengths, cfg.batch_size, seed=cfg.seed, epoch=epoch, bucket=cfg.bucket)
         order = order[: len(order) // world * world][rank::world] if world > 1 else order
         for i in range(pos, len(order)):
-            yield epoch, i + 1, order[i]
+            yield epoch, i + 1, collate(train, order[i], pad), len(order[i])
         epoch, pos = epoch + 1, 0
+
+
+def _compiled(model, cfg: TrainConfig):
+    """The module the training steps call: `torch.compile(model)` when asked for (weights stay shared)."""
+    import torch
+
+    if not cfg.compile:
+        return model
+    try:
+        return torch.compile(model)
+    except Exception as e:  # noqa: BLE001 - any backend failure means: train eagerly
+        log.warning("torch.compile is not available here (%s); training eagerly", e)
+        return model
 
 
 def _mixed_precision(cfg: TrainConfig) -> str:
@@ -136,6 +184,24 @@ def _mixed_precision(cfg: TrainConfig) -> str:
     return "no"
 
 
+def _accelerator(mixed_precision: str):
+    """An Accelerator with this run's precision. accelerate keeps one process-wide state and refuses another
+    precision later in the same process (a bf16 pre-training then an fp32 fine-tune): start that state afresh,
+    keeping the process group (PartialState) as it is."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state and AcceleratorState._shared_state.get("_mixed_precision") != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(mixed_precision=mixed_precision)
+
+
+def _count_tokens(batch: dict) -> int:
+    """Tokens the step trained on: input tokens that are not padding plus target tokens that are not ignored."""
+    inputs = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+    return int(inputs) + int((batch["labels"] != -100).sum())
+
+
 def _is_better(metric: str, value: float, best: float | None) -> bool:
     if best is None:
         return True
@@ -145,8 +211,8 @@ def _is_better(metric: str, value: float, best: float | None) -> bool:
 def fit(
     model,
     tokenizer,
-    train: Encoded,
-    evalset: EvalSet | None,
+    train: Encoded | BatchStream,
+    evalset: Evaluator | None,
     cfg: TrainConfig,
     workdir: Path,
     resume: bool = False,
@@ -156,15 +222,15 @@ def fit(
 ) -> dict:
     """Train `model` in place; checkpoints go to `workdir`. Returns the training summary and evaluation history."""
     import torch
-    from accelerate import Accelerator
 
     from t5compress import checkpoint as ckpt
     from t5compress.evaluation import token_loss
 
     loss_fn = loss_fn or token_loss
-    acc = Accelerator(mixed_precision=_mixed_precision(cfg))
+    acc = _accelerator(_mixed_precision(cfg))
     torch.manual_seed(cfg.seed)
-    steps = total_steps(cfg, len(train.input_ids), acc.num_processes)
+    n_train = len(train.input_ids) if isinstance(train, Encoded) else None
+    steps = total_steps(cfg, n_train, acc.num_processes)
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else max(1, steps // 20)
     optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg)
     schedule = SCHEDULES[cfg.schedule]
@@ -174,22 +240,33 @@ def fit(
         state = ckpt.load_checkpoint(workdir, model, optimizer, scheduler)
         log.info("resuming at step %d (epoch %d, batch %d)", state["step"], state["epoch"], state["pos"])
     model, optimizer = acc.prepare(model, optimizer)
-    stream = _batches(train, cfg, state["epoch"], state["pos"], acc.process_index, acc.num_processes)
-    save_every = cfg.save_every or cfg.eval_every or steps
     pad = tokenizer.pad_token_id
-    t0, seen, start_step = time.perf_counter(), 0, state["step"]
+    where = (state["epoch"], state["pos"], acc.process_index, acc.num_processes)
+    stream = _batches(train, cfg, *where, pad) if isinstance(train, Encoded) else train.batches(*where)
+    save_every = cfg.save_every or cfg.eval_every or steps
+    forward = _compiled(model, cfg)
+    t0, seen, tokens, start_step = time.perf_counter(), 0, 0, state["step"]
     with _Progress(progress and acc.is_main_process, steps, state["step"]) as bar:
         while state["step"] < steps:
             model.train()
             loss_sum = 0.0
             for _ in range(cfg.grad_accum):
-                epoch, pos, idx = next(stream)
-                batch = {k: v.to(acc.device) for k, v in collate(train, idx, pad).items()}
-                with acc.autocast():
-                    loss = loss_fn(model, batch, cfg.label_smoothing) / cfg.grad_accum
+                epoch, pos, cpu_batch, n_examples = next(stream)
+                batch = {k: v.to(acc.device) for k, v in cpu_batch.items()}
+                try:
+                    with acc.autocast():
+                        loss = loss_fn(forward, batch, cfg.label_smoothing) / cfg.grad_accum
+                except Exception as e:  # noqa: BLE001 - torch.compile fails on first call where it cannot work
+                    if forward is model:
+                        raise
+                    log.warning("torch.compile failed (%s); training eagerly", str(e).splitlines()[0] if str(e) else e)
+                    forward = model
+                    with acc.autocast():
+                        loss = loss_fn(forward, batch, cfg.label_smoothing) / cfg.grad_accum
                 acc.backward(loss)
                 loss_sum += float(loss.detach())
-                seen += len(idx)
+                seen += n_examples
+                tokens += _count_tokens(cpu_batch)
             if cfg.max_grad_norm:
                 acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
@@ -197,8 +274,8 @@ def fit(
             optimizer.zero_grad(set_to_none=True)
             state.update(step=state["step"] + 1, epoch=epoch, pos=pos, loss=round(loss_sum, 5))
             step, lr = state["step"], scheduler.get_last_lr()[0]
-            rate = seen * acc.num_processes / (time.perf_counter() - t0)
-            bar.advance(loss_sum, lr, rate)
+            elapsed = time.perf_counter() - t0
+            bar.advance(loss_sum, lr, seen * acc.num_processes / elapsed, tokens * acc.num_processes / elapsed)
             stop = False
             if evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == steps):
                 stop = _evaluate(acc, model, tokenizer, evalset, cfg, state, workdir, lr)
@@ -223,6 +300,7 @@ def fit(
         "best_" + cfg.metric: state["best"],
         "seconds": round(elapsed, 1),
         "examples_per_second": round(seen * acc.num_processes / max(elapsed, 1e-9), 1),
+        "tokens_per_second": round(tokens * acc.num_processes / max(elapsed, 1e-9), 1),
         "resumed_from_step": start_step if resume else None,
         "history": state["history"],
     }
@@ -235,15 +313,11 @@ def _evaluate(
     import torch
 
     from t5compress import checkpoint as ckpt
-    from t5compress.evaluation import evaluate
 
     stop = False
     if acc.is_main_process:
         inner = acc.unwrap_model(model)
-        result = evaluate(
-            inner, tokenizer, evalset.examples, evalset.encoded, cfg.eval_batch_size, evalset.max_new_tokens,
-            cfg.eval_num_beams, device=acc.device,
-        )
+        result = evalset.evaluate(inner, tokenizer, cfg, acc.device)
         entry = {"step": state["step"], "train_loss": state.get("loss"), "lr": lr}
         entry.update({k: v for k, v in result.items() if k != "samples"})
         state["history"].append(entry)
@@ -278,9 +352,10 @@ class _Progress:
             self.task = self.bar.add_task("train", total=self.total, completed=self.done, info="")
         return self
 
-    def advance(self, loss: float, lr: float, rate: float) -> None:
+    def advance(self, loss: float, lr: float, rate: float, token_rate: float) -> None:
         if self.enabled:
-            self.bar.update(self.task, advance=1, info=f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} ex/s")
+            self.bar.update(self.task, advance=1,
+                            info=f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} ex/s  {token_rate:,.0f} tok/s")
 
     def note(self, entry: dict) -> None:
         if self.enabled:

@@ -77,7 +77,7 @@ def with_options(*groups: list[inspect.Parameter]):
     """Give a command the shared options (Typer reads the signature); the function receives them as **opts."""
 
     def deco(fn):
-        sig = inspect.signature(fn)
+        sig = inspect.signature(fn, eval_str=True)  # string annotations (PEP 563) would lose their help texts
         own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         fn.__signature__ = sig.replace(parameters=[*own, *(p for g in groups for p in g)])
         return fn
