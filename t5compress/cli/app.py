@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from t5compress.cli import bench, demo, export, generate, info, pretrain, prune, qat, quantize, run, train, triton  # noqa: F401  # noqa: F401
+from t5compress.cli import bench, demo, export, generate, info, pretrain, prune, qat, quantize, run, train, triton  # noqa: F401
 from t5compress.cli.common import app
 
 

@@ -19,7 +19,7 @@ from t5compress.recipe.stages import DATA, KINDS, PLANNED, Inputs, Kind, data_fi
 
 TOP_KEYS = ("name", "description", "out", "stages")
 STAGE_KEYS = ("stage", "input")
-CHAIN = "data → create | load → train | qat | prune → export → quantize → triton → bench"
+CHAIN = "data → create | load | pretrain → train | qat | prune → export → quantize → triton → bench"
 STATE_FILE = "recipe.json"
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -145,11 +145,7 @@ def _kind(source: str, where: str, name: Any) -> Kind:
         if name == where:
             what = f"'{where}' is not a stage name, and it has no `stage:` key"
         raise RecipeError(f"{source}: {where}: {what}; {hint}")
-    kind = KINDS[name]
-    if not kind.available():
-        raise NotLanded(f"{source}: {where}: stage '{name}' has not landed in t5compress {__version__} yet; "
-                          f"remove it from the recipe")
-    return kind
+    return KINDS[name]
 
 
 def _check_order(where: str, kind: Kind, before: list[Stage], explicit: bool) -> None:
