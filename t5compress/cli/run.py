@@ -24,8 +24,9 @@ def run(
         "--only", help="Run only this stage and the stages it reads (repeatable).")] = None,
     force: Rerun = False,
 ) -> None:
-    """Run a recipe: data → create | load | pretrain → train | qat | prune → export → quantize → triton → bench, each stage in
-    OUT/<stage id>. A rerun skips the stages whose output is complete and whose settings and inputs are unchanged."""
+    """Run a recipe: data → create | load | pretrain → train | qat | prune → export → quantize → triton → bench,
+    each stage in OUT/<stage id>. A rerun skips the stages whose output is complete and whose settings and inputs
+    are unchanged."""
     from t5compress import recipe as recipes
 
     r = recipes.load(resolve(recipe), out=out, only=tuple(only) if only else None)

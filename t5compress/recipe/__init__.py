@@ -1,5 +1,6 @@
-"""Recipes: one YAML file that runs a whole chain (data → create | load | pretrain → train | qat | prune → export → quantize →
-triton → bench), validated before anything runs, each stage in its own directory, completed stages skipped on rerun.
+"""Recipes: one YAML file that runs a whole chain (data → create | load | pretrain → train | qat | prune → export →
+quantize → triton → bench), validated before anything runs, each stage in its own directory, completed stages
+skipped on rerun.
 
     from t5compress import recipe
     result = recipe.run(recipe.load("recipes/quickstart.yaml"))
