@@ -242,3 +242,33 @@ def test_bad_inputs_get_one_line_and_nothing_written(tiny_variants, tmp_path):
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out)], "already exists", out)
     assert list(out.iterdir()) == []
     assert not list(tmp_path.glob(".out.*"))  # no staged leftovers
+
+
+@pytest.mark.slow
+def test_a_triton_url_is_measured_like_the_export_it_serves(tiny_variants, demo_jsonl, tmp_path):
+    """A real server (the `--portable` repository of the tiny export): the same forced lengths as every engine, and
+    the served outputs are the export's own (the same runtime answers behind the server)."""
+    from t5compress.bench import BenchConfig, run
+    from t5compress.triton import TritonConfig
+    from t5compress.triton import run as package
+    from t5compress.triton.server import Ports, find_server, start
+
+    package(tiny_variants["onnx"], TritonConfig(name="t5", portable=True, max_batch_size=8, max_beams=4),
+            tmp_path / "repo")
+    server = start(find_server(), tmp_path / "repo", Ports.free(), log_path=tmp_path / "server.log")
+    try:
+        cfg = BenchConfig(data=str(demo_jsonl), eval_max=16, max_new_tokens=16, batch_sizes=(1, 2), beams=(1, 2),
+                          input_tokens=8, output_tokens=8, repeats=3)
+        r = run([f"onnx={tiny_variants['onnx']}", f"served=http://{server.http_url}/t5"], cfg, tmp_path / "out",
+                progress=False)
+    finally:
+        assert server.stop() == 0
+    served = _entries(r)["served"]
+    assert "error" not in served, served.get("error")
+    assert served["kind"] == "triton" and served["size_bytes"] is None and served["path"].endswith("/t5")
+    assert len(served["cells"]) == 4
+    for c in served["cells"]:
+        assert (c["new_tokens_min"], c["new_tokens_max"], c["short"]) == (8, 8, False), c
+        assert c["p50_ms"] <= c["p90_ms"] <= c["p99_ms"]
+    assert served["accuracy"]["agreement"] == 1.0  # the served model is the export
+    assert (tmp_path / "out" / "sizes.png").is_file() and "served" in (tmp_path / "out" / "report.md").read_text()

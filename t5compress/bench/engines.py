@@ -123,7 +123,32 @@ def load_openvino(path: Path, threads: int, settings: dict) -> Generate:
     return hf_generate(OVModelForSeq2SeqLM.from_pretrained(path, ov_config=ov_config), threads, settings)
 
 
+# ---------------------------------------------------------------- a model served by Triton (text in, ids out)
+def load_triton(path: Path, threads: int, settings: dict) -> Generate:
+    """Requests to a served text model: the ids decoded to text with the bench's tokenizer, one request per call
+    with the generation settings as inputs; its OUTPUT_IDS are the new tokens. `threads` is the server's business."""
+    from t5compress.runtime.text import load_text_tokenizer
+    from t5compress.triton.client import connect, inputs
+
+    tok = load_text_tokenizer(Path(settings["tokenizer"]))
+    protocol, model = settings["protocol"], settings["model"]
+    client = connect(settings["host"], protocol)
+    eos = _eos(settings)
+    config = client.get_model_config(model, **({"as_json": True} if protocol == "grpc" else {}))
+    most = int((config.get("config", config)).get("max_batch_size") or 1)  # a larger batch is split into requests
+
+    def generate(ids, mask, max_new, min_new, beams):
+        texts = tok.decode([row[m.astype(bool)].tolist() for row, m in zip(ids, mask, strict=True)])
+        out = []
+        for i in range(0, len(texts), most):
+            result = client.infer(model, inputs(protocol, texts[i:i + most], max_new_tokens=max_new,
+                                                min_new_tokens=min_new, num_beams=beams))
+            out += trim(result.as_numpy("OUTPUT_IDS")[:, 0, :], eos)  # (texts, 1 sequence, start + new tokens)
+        return out
+    return generate
+
+
 LOADERS: dict[str, Loader] = {
     "pytorch": load_pytorch, "onnx": load_ours, "torchscript": load_ours, "optimum": load_optimum,
-    "ctranslate2": load_ctranslate2, "openvino": load_openvino,
+    "ctranslate2": load_ctranslate2, "openvino": load_openvino, "triton": load_triton,
 }

@@ -84,7 +84,7 @@ def _pareto(r: dict, plt):
 
 
 def _sizes(r: dict, plt):
-    entries = r["entries"]
+    entries = [e for e in r["entries"] if e["size_bytes"] is not None]  # a Triton URL has no files here
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(entries) + 1.5))
     names = [e["name"] for e in entries][::-1]
     mb = [e["size_bytes"] / 1e6 for e in entries][::-1]

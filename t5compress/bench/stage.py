@@ -57,7 +57,14 @@ def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = Fa
         if v.kind == "ctranslate2":
             v.settings.setdefault("compute_type", "int8" if v.precision == "int8" else "default")
     with artifacts.staged_output(out, force) as tmp:
-        inputs = build(cfg, [v.path for v in entries])
+        local = [v.path for v in entries if v.kind != "triton"]
+        if not local:
+            raise ConfigError("a Triton URL is measured with the tokenizer of a local variant: add the export or "
+                              "model dir the repository was built from")
+        inputs = build(cfg, local)
+        for v in entries:
+            if v.kind == "triton":
+                v.settings["tokenizer"] = str(inputs.tokenizer_dir)
         (tmp / "logs").mkdir()
         inputs.save(tmp / "inputs.npz")
         with _Bar(progress) as bar:

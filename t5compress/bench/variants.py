@@ -39,13 +39,15 @@ class Variant:
     python: str | None = None  # interpreter that runs it (None: this one)
 
     @property
-    def size_bytes(self) -> int:
+    def size_bytes(self) -> int | None:
+        if self.kind == "triton":  # served from another machine's disk: not ours to measure
+            return None
         return sum((self.path / f).stat().st_size for f in self.files)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "path": str(self.path), "kind": self.kind, "precision": self.precision,
-                "label": self.label, "role": self.role, "owner": self.owner, "pruned": self.pruned,
-                "lineage": self.lineage, "files": self.files, "size_bytes": self.size_bytes,
+        return {"name": self.name, "path": self.settings.get("url") or str(self.path), "kind": self.kind,
+                "precision": self.precision, "label": self.label, "role": self.role, "owner": self.owner,
+                "pruned": self.pruned, "lineage": self.lineage, "files": self.files, "size_bytes": self.size_bytes,
                 "settings": self.settings, "python": self.python}
 
 
@@ -158,8 +160,7 @@ def resolve(spec: str) -> Variant:
     """The variant a spec names; a one-line ModelError when the path is missing or holds no model of a known kind."""
     name, where = parse_spec(spec)
     if where.startswith(URL_SCHEMES):
-        raise ModelError(f"variant '{spec}': Triton URLs are not measured by bench yet; pass the export dir that "
-                         "the Triton repository was built from")
+        return triton_variant(spec, name, where)
     path = Path(where).expanduser()
     if not path.exists():
         raise ModelError(f"variant '{spec}': '{path}' does not exist")
@@ -183,6 +184,22 @@ def resolve(spec: str) -> Variant:
     owner = "baseline" if found["kind"] == "pytorch" else ("ours" if found["kind"] in ("onnx", "torchscript")
                                                            else "peer")
     return Variant(name=name, path=path, label=label, owner=owner, pruned=pruned, lineage=stages, **found)
+
+
+def triton_variant(spec: str, name: str, url: str) -> Variant:
+    """`http://HOST:PORT/MODEL` (or grpc://): a text model served by Triton (`t5compress triton` + `serve`)."""
+    protocol = "grpc" if url.startswith("grpc://") else "http"
+    rest = url.split("://", 1)[1].rstrip("/")
+    host, _, model = rest.partition("/")
+    if not host or ":" not in host:
+        raise ModelError(f"variant '{spec}': give the server as {protocol}://HOST:PORT/MODEL, e.g. "
+                         f"{protocol}://127.0.0.1:8000/t5")
+    if name == Path(rest).name:  # a bare URL: named after its model
+        name = f"triton-{model or 't5'}"
+    settings = {"url": f"{protocol}://{host}/{model or 't5'}", "host": host, "model": model or "t5",
+                "protocol": protocol, "threads": "the server's own (the repository's instances and threads)"}
+    return Variant(name=name, path=Path("."), kind="triton", precision="served", owner="ours",
+                   label=f"Triton {protocol} ({model or 't5'})", settings=settings)
 
 
 def _int8_method(path: Path, stages: list[str]) -> str:

@@ -29,7 +29,8 @@ def _csv(values: tuple) -> str:
 def bench(
     variants: Annotated[list[str], typer.Argument(
         help="Variants: model dirs, ONNX / TorchScript export dirs (fp32, int8, QAT, pruned, merged), CTranslate2 "
-             "or OpenVINO dirs, each a PATH or NAME=PATH. The first is the reference of the agreement.")],
+             "or OpenVINO dirs, or a served model as http://HOST:PORT/MODEL (grpc:// too), each as it is or as "
+             "NAME=SPEC. The first is the reference of the agreement.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist unless --force).")],
     data: Annotated[str | None, typer.Option(help=_h(B, "data"))] = None,
     field: Annotated[str, typer.Option(help=_h(B, "field"))] = _d(B, "field"),
@@ -88,11 +89,11 @@ def print_report(r: dict, con) -> None:
     t.add_column("agree", justify="right")
     for e in r["entries"]:
         if "error" in e:
-            t.add_row(e["name"], e["label"], f"{e['size_bytes'] / 1e6:.2f}", "[red]failed[/red]", "",
+            t.add_row(e["name"], e["label"], _mb(e["size_bytes"]), "[red]failed[/red]", "",
                       *([""] * len(keys)), *([""] if acc_key else []), e["error"][:60])
             continue
         a = e.get("accuracy", {})
-        t.add_row(e["name"], e["label"], f"{e['size_bytes'] / 1e6:.2f}", f"{e['cold_start_s']:.2f}",
+        t.add_row(e["name"], e["label"], _mb(e["size_bytes"]), f"{e['cold_start_s']:.2f}",
                   f"{e['peak_rss_mb']:.0f}", *[_p50(cell_of(e, k)) for k in keys],
                   *([str(a.get(acc_key, "–"))] if acc_key else []), str(a.get("agreement", "–")))
     con.print(t)
@@ -109,3 +110,7 @@ def _p50(c: dict | None) -> str:
     if c is None:
         return "–"
     return f"short {c['new_tokens_min']}" if c["short"] else f"{c['p50_ms']:.1f}"
+
+
+def _mb(size: int | None) -> str:
+    return "–" if size is None else f"{size / 1e6:.2f}"
