@@ -93,7 +93,7 @@ def decode_name(beams: int) -> str:
     return "greedy" if beams == 1 else f"beam {beams}"
 
 
-def _mb(b: int | None) -> str:
+def mb(b: int | None) -> str:
     return "–" if b is None else f"{b / 1e6:.2f}"
 
 
@@ -133,7 +133,7 @@ def _edge(r: dict) -> list[str]:
     for x in r["entries"]:
         cells = [goals.cell_of(x, (t, b, 1)) for t in r["settings"]["threads"]]
         lines.append(f"| {x['name']} | {x['precision']} | {x.get('cold_start_s', '–')} | {x.get('peak_rss_mb', '–')} "
-                     f"| {_mb(x['size_bytes'])} | " + " | ".join(cell_text(c, r['settings']['output_tokens'])
+                     f"| {mb(x['size_bytes'])} | " + " | ".join(cell_text(c, r['settings']['output_tokens'])
                                                           for c in cells) + " |")
     return lines + [""]
 
@@ -144,10 +144,10 @@ def _entries(r: dict) -> list[str]:
     for x in r["entries"]:
         a = x.get("accuracy", {})
         if "error" in x:
-            lines.append(f"| {x['name']} | {x['label']} | {_mb(x['size_bytes'])} | fails: {x['error'][:120]} "
+            lines.append(f"| {x['name']} | {x['label']} | {mb(x['size_bytes'])} | fails: {x['error'][:120]} "
                          "| | | | | |")
             continue
-        lines.append(f"| {x['name']} | {x['label']} | {_mb(x['size_bytes'])} | {x['cold_start_s']} | "
+        lines.append(f"| {x['name']} | {x['label']} | {mb(x['size_bytes'])} | {x['cold_start_s']} | "
                      f"{x['peak_rss_mb']} | {a.get('exact_match', '–')} | {a.get('rougeL', '–')} | "
                      f"{a.get('bleu', '–')} | {a.get('agreement', '–')} |")
     return lines + [""]

@@ -73,7 +73,7 @@ def print_report(r: dict, con) -> None:
     from rich.table import Table
 
     from t5compress.bench.goals import cell_of
-    from t5compress.bench.report import decode_name, grid_of
+    from t5compress.bench.report import decode_name, grid_of, mb
 
     keys, n = grid_of(r), r["settings"]["output_tokens"]
     t = Table(title=f"bench: p50 ms per call, {r['settings']['input_tokens']} tokens in, {n} out (p90, p99 in "
@@ -89,11 +89,11 @@ def print_report(r: dict, con) -> None:
     t.add_column("agree", justify="right")
     for e in r["entries"]:
         if "error" in e:
-            t.add_row(e["name"], e["label"], _mb(e["size_bytes"]), "[red]failed[/red]", "",
+            t.add_row(e["name"], e["label"], mb(e["size_bytes"]), "[red]failed[/red]", "",
                       *([""] * len(keys)), *([""] if acc_key else []), e["error"][:60])
             continue
         a = e.get("accuracy", {})
-        t.add_row(e["name"], e["label"], _mb(e["size_bytes"]), f"{e['cold_start_s']:.2f}",
+        t.add_row(e["name"], e["label"], mb(e["size_bytes"]), f"{e['cold_start_s']:.2f}",
                   f"{e['peak_rss_mb']:.0f}", *[_p50(cell_of(e, k)) for k in keys],
                   *([str(a.get(acc_key, "–"))] if acc_key else []), str(a.get("agreement", "–")))
     con.print(t)
@@ -110,7 +110,3 @@ def _p50(c: dict | None) -> str:
     if c is None:
         return "–"
     return f"short {c['new_tokens_min']}" if c["short"] else f"{c['p50_ms']:.1f}"
-
-
-def _mb(size: int | None) -> str:
-    return "–" if size is None else f"{size / 1e6:.2f}"

@@ -17,6 +17,6 @@ from t5compress.recipe.runner import run
 from t5compress.recipe.schema import RecipeError
 from t5compress.recipe.stages import KINDS, PLANNED
 
-QUICKSTART = Path(__file__).with_name("quickstart.yaml")  # the embedded default; recipes/quickstart.yaml is the same
+QUICKSTART = Path(__file__).with_name("quickstart.yaml")  # the embedded default; recipes/quickstart.yaml links here
 
 __all__ = ["KINDS", "PLANNED", "QUICKSTART", "Recipe", "RecipeError", "Stage", "load", "plan", "run"]
