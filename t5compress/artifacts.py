@@ -6,17 +6,22 @@ place only when the stage succeeded, so an interrupted or failed run never leave
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from t5compress import __version__
 from t5compress.errors import OutputError
@@ -24,36 +29,99 @@ from t5compress.errors import OutputError
 META_FILE = "t5compress.json"
 REPORT_FILE = "report.json"
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-def check_output(out: str | os.PathLike, force: bool) -> Path:
-    """Fail early (before any heavy work) if `out` cannot be written as a new directory."""
+
+def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[Any] = ()) -> Path:
+    """Claim `out` for this run, before any heavy work: refuse it when it overlaps an input (whatever `force` says),
+    when another run is writing it, or when it exists without `force`; then remove what killed runs left beside it.
+
+    `inputs` are everything the stage reads (model dirs, data and calibration files, configs: any string in them that
+    names an existing path counts). The claim is a lock on `out` held until `staged_output` ends or the process
+    exits, so two runs writing one `out` cannot both succeed.
+    """
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputError(f"output '{out}' already exists; pass --force to replace it")
+    refuse_overlap(out, inputs)
     if out.exists() and not out.is_dir():
         raise OutputError(f"output '{out}' exists and is not a directory; remove it or choose another path")
     parent = out.resolve().parent
     if parent.exists() and not os.access(parent, os.W_OK):
         raise OutputError(f"cannot write to '{parent}': permission denied; choose another output path")
+    _lock(out)
+    if out.exists() and not force:
+        _unlock(out)
+        raise OutputError(f"output '{out}' already exists; pass --force to replace it")
+    _remove_stale_temporaries(out)
     return out
 
 
+def refuse_overlap(out: str | os.PathLike, inputs: Iterable[Any]) -> None:
+    """Raise if `out` is, contains or lies inside an existing input path: writing it would change or delete what the
+    stage reads. `inputs` may hold paths, hub ids or whole config dataclasses (their strings are looked at)."""
+    target = Path(out).resolve()
+    for name in strings_in(list(inputs)):
+        if not name.strip():
+            continue  # an empty setting (no prefix, say) is not the current directory
+        try:
+            p = Path(name)
+            if not p.exists():
+                continue  # a hub id, a dataset name, or a missing file the stage itself reports
+            src = p.resolve()
+        except (OSError, ValueError):
+            continue
+        if src == target:
+            raise OutputError(f"output '{out}' is the input '{name}'; a stage never writes over what it reads: "
+                              "choose another output path")
+        if target in src.parents:
+            raise OutputError(f"output '{out}' contains the input '{name}' (replacing it would delete the input); "
+                              "choose an output outside it")
+        if src in target.parents:
+            raise OutputError(f"output '{out}' is inside the input '{name}'; an input is never changed: choose an "
+                              "output outside it")
+
+
+def strings_in(obj: Any) -> list[str]:
+    """Every string in `obj`: paths, lists and (nested) config dataclasses."""
+    if isinstance(obj, os.PathLike):
+        return [os.fspath(obj)]
+    if isinstance(obj, str):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return [s for v in obj for s in strings_in(v)]
+    return []
+
+
 @contextlib.contextmanager
-def staged_output(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on any error."""
-    out = check_output(out, force)
+def staged_output(out: str | os.PathLike, force: bool = False, inputs: Iterable[Any] = ()) -> Iterator[Path]:
+    """Yield a temporary sibling of `out`; rename it to `out` on success, delete it on any error.
+
+    The finished files get the permissions the umask gives (libraries such as safetensors write 0600), and the
+    rename refuses an `out` that appeared meanwhile unless `force`. The claim on `out` is released at the end.
+    """
+    out = check_output(out, force, inputs)
     try:
-        out.resolve().parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.resolve().parent))
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; outputs are served by other users (e.g. Triton)
-    except OSError as e:
-        raise OutputError(f"cannot create output '{out}': {e.strerror}") from e
-    try:
-        yield tmp
-        replace_dir(tmp, out)  # an existing `out` is only reachable with force=True
+        try:
+            out.resolve().parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.resolve().parent))
+        except OSError as e:
+            raise OutputError(f"cannot create output '{out}': {e.strerror}") from e
+        try:
+            yield tmp
+            follow_umask(tmp)
+            if out.exists() and not force:
+                raise OutputError(f"output '{out}' appeared while this run was writing it; nothing was replaced: "
+                                  "pass --force or choose another path")
+            replace_dir(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _unlock(out)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -65,6 +133,106 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
+
+
+def follow_umask(root: Path) -> None:
+    """Give `root` and everything under it the permissions open()/mkdir() would have: 0666/0777 minus the umask."""
+    mask = _umask()
+    for p in (root, *root.rglob("*")):
+        if p.is_symlink():
+            continue
+        mode = p.stat().st_mode
+        full = 0o777 if p.is_dir() or mode & 0o111 else 0o666
+        p.chmod(full & ~mask)
+
+
+# --- the claim on an output: a lock file beside it ------------------------------------------------------------------
+# flock is released by the kernel when its holder dies, so a lock left by kill -9 is recognised as stale by simply
+# acquiring it. `_held` makes the claim re-entrant within one process (a stage checks early and stages later).
+
+_held: dict[Path, tuple[int, int]] = {}  # lock file -> (fd, pid of the holder)
+
+
+def lock_file(out: Path) -> Path:
+    return out.resolve().parent / f".{out.name}.lock"
+
+
+def _lock(out: Path) -> None:
+    path = lock_file(out)
+    if path in _held:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create output '{out}': {e.strerror}") from e
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666 & ~_umask())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputError(f"output '{out}' is being written by another t5compress run (pid {holder}); wait for "
+                              "it to finish or choose another path") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file between our open and our lock: take the new one
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _held[path] = (fd, os.getpid())
+
+
+def _unlock(out: Path) -> None:
+    _release(lock_file(out))
+
+
+def _release(path: Path) -> None:
+    fd, pid = _held.pop(path, (None, None))
+    if fd is None:
+        return
+    if pid == os.getpid():  # a forked child must not remove its parent's lock
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    os.close(fd)
+
+
+def claims_output(run: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a stage's `run`: the claims it takes on outputs end when it returns or raises, not at process exit."""
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        before = set(_held)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            for path in set(_held) - before:
+                _release(path)
+
+    return wrapper
+
+
+@atexit.register
+def _release_all() -> None:
+    for path in list(_held):
+        _release(path)
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Remove `.OUT.XXXXXXXX.tmp` siblings: with the claim held, only a killed run can have left them."""
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        return
+    pattern = re.compile(re.escape(f".{out.name}.") + r"[a-z0-9_]{8}\.tmp(\.old)?")
+    stale = [p for p in parent.iterdir() if pattern.fullmatch(p.name)]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    if stale:
+        log.warning("removed %d temporary dir(s) left beside '%s' by an interrupted run: %s", len(stale), out,
+                    ", ".join(p.name for p in stale))
 
 
 def _umask() -> int:

@@ -30,11 +30,12 @@ class CreateConfig:
         require(self.vocab_size > 8, "vocab_size", "must be > 8")
 
 
+@artifacts.claims_output
 def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
     """Build the tokenizer and the model, and write them as a Hugging Face model directory."""
     from t5compress.architectures import architecture
 
-    artifacts.check_output(out, force)
+    artifacts.check_output(out, force, inputs=[cfg])
     architecture(cfg.arch, cfg.overrides)  # fail on a bad name before training a tokenizer
     texts: list[str] = []
     if cfg.text:
@@ -48,7 +49,7 @@ def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
     model = create_model(cfg.arch, vocab, cfg.overrides, seed=cfg.seed)
     tok_info = {"kind": cfg.tokenizer, "size": len(tokenizer)}
     report = {"stage": "create", "model": describe(model), "tokenizer": tok_info}
-    with artifacts.staged_output(out, force) as tmp:
+    with artifacts.staged_output(out, force, inputs=[cfg]) as tmp:
         save_model_dir(model, tokenizer, tmp)
         artifacts.write_meta(tmp, "create", dataclasses.asdict(cfg), parent=None)
         artifacts.write_report(tmp, report)

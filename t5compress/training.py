@@ -93,18 +93,19 @@ def fit_session(s: Session, cfg: FinetuneConfig, resume: bool, progress: bool = 
     return {"train": summary, "eval": _load_best(s.model, s.work) if s.is_main else None}
 
 
+@artifacts.claims_output
 def run(
     src: str, cfg: FinetuneConfig, out: str | Path, force: bool = False, resume: bool = False, progress: bool = True,
     on_step=None,
 ) -> dict:
     """Fine-tune `src` (model dir or hub id) and write the best model to `out`. Returns the report."""
-    out = artifacts.check_output(out, force)
+    out = artifacts.check_output(out, force, inputs=[src, cfg])
     s = open_session(src, cfg, out, force, resume)
     result = fit_session(s, cfg, resume, progress, on_step)
     if not s.is_main:
         return {"stage": "train", **result}
     report = {"stage": "train", "model": describe(s.model), "data": s.data_report, **result}
-    with artifacts.staged_output(out, force=True) as tmp:
+    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         save_model_dir(s.model, s.tokenizer, tmp)
         artifacts.write_meta(tmp, "train", dataclasses.asdict(cfg), parent=src)
         artifacts.write_report(tmp, report)

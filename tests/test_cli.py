@@ -69,6 +69,7 @@ def test_train_happy_path_and_bad_data(tiny_model_dir, demo_jsonl, tmp_path):
     bad.write_text('{"source": "a", "target": "b"}\n{"source": "c"\n')
     _bad(["train", str(tiny_model_dir), str(bad), str(tmp_path / "o2")], "bad.jsonl:2")
     _bad(["train", str(tiny_model_dir), str(demo_jsonl), str(tmp_path / "o3"), "--lr=-1"], "lr")
-    _bad(["train", str(tmp_path), str(demo_jsonl), str(tmp_path / "o4")], "config.json")
+    (tmp_path / "not-a-model").mkdir()
+    _bad(["train", str(tmp_path / "not-a-model"), str(demo_jsonl), str(tmp_path / "o4")], "config.json")
     _bad(["train", "google/t5-efficient-tiny", str(demo_jsonl), str(tmp_path / "o5")], "cannot be reached")
     assert not any((tmp_path / n).exists() for n in ("o2", "o3", "o4", "o5", "o2.partial"))

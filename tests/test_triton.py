@@ -133,7 +133,7 @@ def test_schema_and_checks_refuse_bad_configs():
 
 def test_stage_refuses_non_exports_and_existing_output(export_dir, tmp_path):
     with pytest.raises(ModelError, match="not an export directory"):
-        run(tmp_path, TritonConfig(), tmp_path / "repo")
+        run(export_dir.parent, TritonConfig(), tmp_path / "repo")
     (tmp_path / "taken").mkdir()
     with pytest.raises(OutputError, match="--force"):
         run(export_dir, TritonConfig(), tmp_path / "taken")

@@ -37,12 +37,18 @@ def effective(cfg: BenchConfig) -> BenchConfig:
     return dataclasses.replace(cfg, threads=(1, 2)) if cfg.edge else cfg
 
 
+def _paths(variants: list[str]) -> list[str]:
+    """The local paths among `variants` (NAME=PATH or PATH; URLs are not paths)."""
+    return [str(v).split("=", 1)[-1] for v in variants]
+
+
+@artifacts.claims_output
 def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = False, progress: bool = True) -> dict:
     """Measure `variants` (paths or NAME=PATH) as `cfg` says; write OUT atomically; return the report."""
     from t5compress.bench import report as reporting
 
     started = time.perf_counter()
-    out = artifacts.check_output(out, force)
+    out = artifacts.check_output(out, force, inputs=[_paths(variants), cfg])
     cfg = effective(cfg)
     entries = resolve_all([str(v) for v in variants])
     base = next((v for v in entries if v.kind == "pytorch"), None)
@@ -56,7 +62,7 @@ def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = Fa
     for v in entries:
         if v.kind == "ctranslate2":
             v.settings.setdefault("compute_type", "int8" if v.precision == "int8" else "default")
-    with artifacts.staged_output(out, force) as tmp:
+    with artifacts.staged_output(out, force, inputs=[_paths(variants), cfg]) as tmp:
         local = [v.path for v in entries if v.kind != "triton"]
         if not local:
             raise ConfigError("a Triton URL is measured with the tokenizer of a local variant: add the export or "

@@ -145,11 +145,12 @@ def export_torchscript_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: E
 EXPORTERS: dict[str, Callable[..., dict]] = {"onnx": export_onnx_dir, "torchscript": export_torchscript_dir}
 
 
+@artifacts.claims_output
 def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force: bool = False) -> dict:
     """Export `src` to `out` as `cfg` says, verify it against PyTorch, and return the report (also in report.json)."""
     from t5compress.export.graphs import graph_specs, manifest
 
-    out = artifacts.check_output(out, force)  # before loading anything heavy
+    out = artifacts.check_output(out, force, inputs=[src, cfg])  # before loading anything heavy
     model, tokenizer = _load(src)
     exporter = EXPORTERS[cfg.format]
     from t5compress.quantize.scheme import is_qat_dir
@@ -161,7 +162,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
         model, exporter = load_fake_quant(src, model), export_qdq_dir
     specs = graph_specs(model.config)
     started = time.perf_counter()
-    with artifacts.staged_output(out, force) as tmp:
+    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         section = exporter(model, specs, tmp, cfg)
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)

@@ -140,6 +140,7 @@ def _set_dropout(model, p: float) -> float:
     return old
 
 
+@artifacts.claims_output
 def run(
     src: str | Path, cfg: PretrainConfig, out: str | Path, force: bool = False, resume: bool = False,
     progress: bool = True, on_step=None,
@@ -148,7 +149,7 @@ def run(
     from t5compress.architectures import architecture
     from t5compress.training import _prepare_workdir
 
-    out = artifacts.check_output(out, force)
+    out = artifacts.check_output(out, force, inputs=[src, cfg])
     corpus = corpus_of(src, cfg)
     next(iter(corpus.documents()))  # fail on a missing, empty or malformed corpus before any other work
     if cfg.is_new:
@@ -193,7 +194,7 @@ def run(
         "eval": {**after, "step": (best or {}).get("step", summary["steps"])},
         "train": {**summary, "precision": train.precision},
     }
-    with artifacts.staged_output(out, force=True) as tmp:
+    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         save_model_dir(model, tokenizer, tmp)
         artifacts.write_meta(tmp, "pretrain", {"corpus": str(src), **dataclasses.asdict(cfg)},
                              parent=None if cfg.is_new else cfg.model)

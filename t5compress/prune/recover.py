@@ -68,6 +68,7 @@ def teacher_of(src: str | Path, cfg: RecoverConfig) -> str:
     return parent
 
 
+@artifacts.claims_output
 def run(src: str | Path, cfg: RecoverConfig, out: str | Path, force: bool = False, resume: bool = False,
         progress: bool = True, on_step=None) -> dict:
     """Recover the pruned model `src` into `out`; the report has the metric before and after."""
@@ -75,7 +76,7 @@ def run(src: str | Path, cfg: RecoverConfig, out: str | Path, force: bool = Fals
     from t5compress.prune.measure import measure_eval
     from t5compress.training import _prepare_workdir
 
-    out = artifacts.check_output(out, force)
+    out = artifacts.check_output(out, force, inputs=[src, cfg])
     model, tokenizer = load_model(src), load_tokenizer(src)
     teacher = load_model(teacher_of(src, cfg)) if cfg.distill else None
     work = _prepare_workdir(out, cfg, force, resume)
@@ -86,7 +87,7 @@ def run(src: str | Path, cfg: RecoverConfig, out: str | Path, force: bool = Fals
     after = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)
     report = {"stage": "recover", "model": describe(model), "teacher": teacher_of(src, cfg) if cfg.distill else None,
               "eval_before": before, "eval_after": after, "eval": after, **section}
-    with artifacts.staged_output(out, force=True) as tmp:
+    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         save_model_dir(model, tokenizer, tmp)
         artifacts.write_meta(tmp, "recover", dataclasses.asdict(cfg), parent=src)
         artifacts.write_report(tmp, report)

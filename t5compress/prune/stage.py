@@ -93,6 +93,7 @@ def _snapshot(model, tokenizer, eval_ex, cfg: PruneConfig) -> dict:
     return {**measure.size(model), "eval": measure.measure_eval(model, tokenizer, eval_ex, cfg.data)}
 
 
+@artifacts.claims_output
 def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force: bool = False,
         resume: bool = False, progress: bool = True, on_step=None) -> dict:
     """Prune `src` into `out` as `cfg` says (recovering when `cfg.recover`); returns the report."""
@@ -101,7 +102,7 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force:
 
     if resume and cfg.recover is None:
         raise ConfigError("resume: only a recovery can be resumed; give the same --recover-data as the first run")
-    out = artifacts.check_output(out, force)
+    out = artifacts.check_output(out, force, inputs=[src, cfg])
     model, tokenizer = load_model(src), load_tokenizer(src)
     calib_ex, eval_ex, data_stats = load_splits(cfg.calib_data, cfg.eval_data, cfg.data)
     eval_ex = eval_ex[: cfg.eval_max_examples]
@@ -154,7 +155,7 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force:
     report["seconds"] = round(time.perf_counter() - started, 1)
     if not report["plain"]:
         report["layout"] = layout.layout_of(model)
-    with artifacts.staged_output(out, force=True) as tmp:
+    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         save_model_dir(model, tokenizer, tmp)
         artifacts.write_meta(tmp, "prune", dataclasses.asdict(cfg), parent=src)
         artifacts.write_report(tmp, report)

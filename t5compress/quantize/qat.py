@@ -40,12 +40,13 @@ class QatConfig:
     quant: FakeQuantConfig = field(default_factory=FakeQuantConfig, metadata={"help": "Fake-quantization scheme."})
 
 
+@artifacts.claims_output
 def run(
     src: str, cfg: QatConfig, out: str | Path, force: bool = False, resume: bool = False, progress: bool = True,
     on_step=None,
 ) -> dict:
     """Quantization-aware fine-tuning of `src`; writes the best model and its scales to `out`. Returns the report."""
-    out = artifacts.check_output(out, force)
+    out = artifacts.check_output(out, force, inputs=[src, cfg])
     s = open_session(src, cfg.finetune, out, force, resume, record=cfg)
     fp32_start = _evaluate(s, cfg) if s.is_main else None
     prepare(s.model, cfg.quant)
@@ -58,7 +59,7 @@ def run(
     scales = summarize(s.model)
     from t5compress.models import describe, save_model_dir
 
-    with artifacts.staged_output(out, force=True) as tmp:
+    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         quant_info = save_scales(s.model, tmp, cfg.quant)
         strip(s.model)
         fp32_end = _evaluate(s, cfg)  # the same weights without fake quantization: what plain HF loading gives

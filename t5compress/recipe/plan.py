@@ -211,20 +211,7 @@ def _variants(where: str, given: Any, before: list[Stage]) -> list[Stage]:
 
 def _reads(config: Any, files: tuple[str | None, ...]) -> bool:
     wanted = {f for f in files if f}
-    found: list[str] = []
-    _strings(dataclasses.asdict(config), found)
-    return bool(wanted & set(found))
-
-
-def _strings(obj: Any, found: list[str]) -> None:
-    if isinstance(obj, str):
-        found.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _strings(v, found)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _strings(v, found)
+    return bool(wanted & set(artifacts.strings_in(config)))
 
 
 def _keep(source: str, stages: list[Stage], only: tuple[str, ...]) -> list[Stage]:
@@ -247,9 +234,7 @@ def settings_fingerprint(recipe: Recipe, stage: Stage) -> tuple[str, str]:
     of the user's files it names (editing a data file reruns what reads it)."""
     config = _portable(dataclasses.asdict(stage.config), str(recipe.out))
     files = {}
-    found: list[str] = []
-    _strings(config, found)
-    for s in found:
+    for s in artifacts.strings_in(config):
         p = Path(s)
         if "$OUT" not in s and p.is_file():
             files[s] = _file_hash(p)
@@ -306,6 +291,7 @@ def complete(stage: Stage) -> bool:
 def plan(recipe: Recipe, force: bool = False) -> list[dict]:
     """What a run does, stage by stage: {id, kind, dir, action: run|skip, why, fingerprint}."""
     fps, state = fingerprints(recipe), read_state(recipe.out)["stages"]
+    _refuse_overlaps(recipe, state)
     rows, running = [], set()
     for s in recipe.stages:
         fp, old = fps[s.id], state.get(s.id) or {}
@@ -315,6 +301,16 @@ def plan(recipe: Recipe, force: bool = False) -> list[dict]:
         rows.append({"id": s.id, "kind": s.kind.name, "dir": str(s.dir), "action": "run" if why else "skip",
                      "why": why or "done, unchanged", **fp})
     return rows
+
+
+def _refuse_overlaps(recipe: Recipe, state: dict) -> None:
+    """No stage dir may be, hold or lie inside a file the user gave (the recipe, data, models), even with --force.
+    Paths inside stage dirs this recipe wrote (recorded in its state) are its own products, not the user's."""
+    own = [(recipe.out / sid).resolve() for sid in state]
+    named = [Path(s).resolve() for stage in recipe.stages for s in artifacts.strings_in(stage.config) if s]
+    user = [recipe.source] + [p for p in named if not any(d == p or d in p.parents for d in own)]
+    for stage in recipe.stages:
+        artifacts.refuse_overlap(stage.dir, user)
 
 
 def _why_run(s: Stage, fp: dict, old: dict, running: set, force: bool) -> str | None:

@@ -80,14 +80,15 @@ def check_export(src: Path) -> None:
             raise ModelError(f"'{src}' has no {needed}: re-export it with `t5compress export MODEL OUT --onnx`")
 
 
+@artifacts.claims_output
 def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, force: bool = False) -> dict:
     """Write the model repository for export dir `src` to `out`; returns the report (also in `out`/report.json)."""
     src = Path(src)
-    out = artifacts.check_output(out, force)
+    out = artifacts.check_output(out, force, inputs=[src, cfg])
     check_export(src)
     started = time.perf_counter()
     models = plan(src, cfg)  # every config checked before the first file is written
-    with artifacts.staged_output(out, force) as tmp:
+    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         for model in models:
             repository.write(model, tmp)
         report = {
