@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from t5compress.bench.cpu import cpu_features
 from t5compress.bench.plots import pareto_front
 from t5compress.cli import app
+from t5compress.cpu import cpu_features
 
 runner = CliRunner()
 GRID = ["--batch-sizes", "1,2", "--beams", "1,2", "--input-tokens", "8", "--output-tokens", "8", "--repeats", "3"]

@@ -149,7 +149,7 @@ def test_export_of_a_qat_dir_writes_int8_qdq_graphs_that_ort_runs_with_int8_kern
 def test_a_broken_int8_graph_is_refused(qat_run, tmp_path, monkeypatch):
     out, _ = qat_run
     real = fq.quantize_weight
-    monkeypatch.setattr(fq, "quantize_weight", lambda w: (real(w)[0], 1.5 * real(w)[1]))  # wrong weight scales
+    monkeypatch.setattr(fq, "quantize_weight", lambda w, m: (real(w, m)[0], 1.5 * real(w, m)[1]))  # wrong scales
     refused = "differs from the fake-quantized PyTorch model by .* nothing was written"
     with pytest.raises(ExportError, match=refused) as e:
         export.run(str(out), export.ExportConfig(), tmp_path / "broken")

@@ -58,7 +58,7 @@ def prepare_optimum_int8(model_dir: Path, out: Path) -> dict:
     from optimum.onnxruntime import ORTQuantizer
     from optimum.onnxruntime.configuration import AutoQuantizationConfig
 
-    from t5compress.bench.cpu import cpu_features
+    from t5compress.cpu import cpu_features
 
     fp32 = out.parent / "optimum-fp32"
     if not fp32.is_dir():

@@ -10,9 +10,9 @@ from pathlib import Path
 from t5compress import metrics
 from t5compress.bench import goals
 from t5compress.bench.config import BenchConfig
-from t5compress.bench.cpu import ARM64_PRESET, cpu_features, int8_note
 from t5compress.bench.inputs import Inputs, decode
 from t5compress.bench.variants import Variant
+from t5compress.cpu import ARM64_PRESET, cpu_features, int8_note
 
 VERSIONS = ("torch", "transformers", "onnxruntime", "optimum", "optimum-onnx", "optimum-intel", "openvino",
             "ctranslate2", "numpy")

@@ -26,6 +26,7 @@ def qat(
     keep_wo: Annotated[str, typer.Option(help=_h(Q, "keep_wo"))] = _d(Q, "keep_wo"),
     lm_head: Annotated[bool, typer.Option(help=_h(Q, "lm_head"))] = _d(Q, "lm_head"),
     embedding: Annotated[bool, typer.Option(help=_h(Q, "embedding"))] = _d(Q, "embedding"),
+    weight_range: Annotated[str, typer.Option(help=_h(Q, "weight_range"))] = _d(Q, "weight_range"),
     **opts,
 ) -> None:
     """Fine-tune with int8 fake quantization (per-channel weights, per-tensor activations with learned or averaged
@@ -36,7 +37,7 @@ def qat(
 
     resume, force = opts.pop("resume"), opts.pop("force")
     quant = Q(act_scale=act_scale, ema_momentum=ema_momentum, calib_batches=calib_batches, keep_wo=keep_wo,
-              lm_head=lm_head, embedding=embedding)
+              lm_head=lm_head, embedding=embedding, weight_range=weight_range)
     cfg = stage.QatConfig(finetune=finetune_config(data, opts), quant=quant)
     report = stage.run(model, cfg, Path(out), force=force, resume=resume)
     if report.get("metrics") is not None:  # absent on the non-main processes of a multi-GPU run

@@ -24,6 +24,7 @@ def quantize(
     samples: Annotated[int, typer.Option(help=_h(Q, "samples"))] = _d(Q, "samples"),
     method: Annotated[str, typer.Option(help=_h(Q, "method"))] = _d(Q, "method"),
     per_channel: Annotated[bool, typer.Option(help=_h(Q, "per_channel"))] = _d(Q, "per_channel"),
+    weight_range: Annotated[str, typer.Option(help=_h(Q, "weight_range"))] = _d(Q, "weight_range"),
     quant_format: Annotated[str, typer.Option("--format", help=_h(Q, "format"))] = _d(Q, "format"),
     op_types: Annotated[str, typer.Option(help=_h(Q, "op_types") + " Comma-separated.")] = ",".join(
         _d(Q, "op_types")),
@@ -46,7 +47,7 @@ def quantize(
         fail("choose one of --static and --dynamic")
     cfg = Q(
         mode="dynamic" if dynamic else "static", calib_data=calib_data, field=field, prefix=prefix, samples=samples,
-        method=method, per_channel=per_channel, format=quant_format,
+        method=method, per_channel=per_channel, weight_range=weight_range, format=quant_format,
         op_types=tuple(t.strip() for t in op_types.split(",") if t.strip()), embeddings=embeddings,
         keep_fp32=keep_fp32, smooth_alpha=smooth_alpha, eval_data=eval_data, eval_max=eval_max,
         max_new_tokens=max_new_tokens, batch_size=batch_size, min_agreement=min_agreement, threads=threads,

@@ -6,8 +6,9 @@
     save_scales(model, out); strip(model)          # plain HF weights + quantization.json / quantization.safetensors
 
 Scheme (what the ONNX export writes as QuantizeLinear / DequantizeLinear, with the same numbers):
-- weights: int8, symmetric, per output channel, range [-127, 127], scale = max|row| / 127 (recomputed from the
-  current weights at every forward, so training moves weights and scales together);
+- weights: int8, symmetric, per output channel, range [-w_max, w_max], scale = max|row| / w_max (recomputed from
+  the current weights at every forward, so training moves weights and scales together); w_max is 127, or 63 where
+  the int8 kernels saturate (x86 without VNNI, `t5compress.cpu`), recorded in quantization.json;
 - activations: per tensor, uint8 (x86's fast u8 x s8 kernels) with zero point 128 (signed input) or 0 (input
   that was never negative during calibration, e.g. after ReLU); the scale is observed during calibration, then
   learned (LSQ: the gradient flows into the scale, kept as its log so that Adam's steps are relative) or an
@@ -36,7 +37,7 @@ from t5compress.quantize.scheme import ACT_MODES, FORMAT, SCALES_FILE, SCALES_JS
 
 log = logging.getLogger(__name__)
 
-W_MAX = 127  # symmetric int8 weights; -128 unused so that -w is representable
+W_MAX = 127  # symmetric int8 weights; -128 unused so that -w is representable (63 where the kernels saturate)
 A_MIN, A_MAX = 0, 255  # uint8 activations
 
 
@@ -50,20 +51,20 @@ def fake_quant_act(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     return (q - zero_point) * scale
 
 
-def weight_scale(w: torch.Tensor) -> torch.Tensor:
+def weight_scale(w: torch.Tensor, w_max: int = W_MAX) -> torch.Tensor:
     """Per-output-channel (row) symmetric scale of a (out, in) weight: (out,)."""
-    return (w.detach().abs().amax(dim=1) / W_MAX).clamp_min(1e-12)
+    return (w.detach().abs().amax(dim=1) / w_max).clamp_min(1e-12)
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, w_max: int = W_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 values (out, in) and per-row scales (out,): what the ONNX export stores."""
-    s = weight_scale(w)
-    return torch.clamp(torch.round(w.detach() / s[:, None]), -W_MAX, W_MAX).to(torch.int8), s
+    s = weight_scale(w, w_max)
+    return torch.clamp(torch.round(w.detach() / s[:, None]), -w_max, w_max).to(torch.int8), s
 
 
-def fake_quant_weight(w: torch.Tensor) -> torch.Tensor:
-    s = weight_scale(w)[:, None]  # (out, 1)
-    return torch.clamp(_round_ste(w / s), -W_MAX, W_MAX) * s
+def fake_quant_weight(w: torch.Tensor, w_max: int = W_MAX) -> torch.Tensor:
+    s = weight_scale(w, w_max)[:, None]  # (out, 1)
+    return torch.clamp(_round_ste(w / s), -w_max, w_max) * s
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,18 +129,19 @@ class QuantLinear(nn.Linear):
     """nn.Linear with fake-quantized input (per tensor) and weight (per output channel); `.weight` is unchanged."""
 
     act: ActQuant
+    w_max: int
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, act: ActQuant) -> QuantLinear:
+    def wrap(cls, linear: nn.Linear, act: ActQuant, w_max: int = W_MAX) -> QuantLinear:
         q = cls.__new__(cls)
         nn.Module.__init__(q)
         q.in_features, q.out_features = linear.in_features, linear.out_features
         q.weight, q.bias = linear.weight, linear.bias  # the same Parameters: ties and optimizer state survive
-        q.act = act
+        q.act, q.w_max = act, w_max
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(x), fake_quant_weight(self.weight).to(x.dtype), self.bias)
+        return F.linear(self.act(x), fake_quant_weight(self.weight, self.w_max).to(x.dtype), self.bias)
 
     def plain(self) -> nn.Linear:
         lin = nn.Linear.__new__(nn.Linear)
@@ -152,18 +154,20 @@ class QuantLinear(nn.Linear):
 class QuantEmbedding(nn.Embedding):
     """nn.Embedding whose table is fake-quantized per row (the same int8 rows a tied lm_head uses)."""
 
+    w_max: int
+
     @classmethod
-    def wrap(cls, emb: nn.Embedding) -> QuantEmbedding:
+    def wrap(cls, emb: nn.Embedding, w_max: int = W_MAX) -> QuantEmbedding:
         q = cls.__new__(cls)
         nn.Module.__init__(q)
         for k in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
                   "sparse"):
             setattr(q, k, getattr(emb, k))
-        q.weight = emb.weight
+        q.weight, q.w_max = emb.weight, w_max
         return q
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, fake_quant_weight(self.weight), self.padding_idx)
+        return F.embedding(ids, fake_quant_weight(self.weight, self.w_max), self.padding_idx)
 
     def plain(self) -> nn.Embedding:
         emb = nn.Embedding.__new__(nn.Embedding)
@@ -209,16 +213,20 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def prepare(model: nn.Module, cfg: FakeQuantConfig) -> nn.Module:
-    """Swap the model's Linear layers (and embedding) for fake-quant versions, in place; returns the model."""
+def prepare(model: nn.Module, cfg: FakeQuantConfig, w_max: int | None = None) -> nn.Module:
+    """Swap the model's Linear layers (and embedding) for fake-quant versions, in place; returns the model.
+    `w_max`: the int8 weight range (default: what `cfg.weight_range` gives on this CPU)."""
+    from t5compress.cpu import weight_max
+
     if any(isinstance(m, QuantLinear | QuantEmbedding) for m in model.modules()):
         raise ModelError("the model is already prepared for quantization-aware training")
+    w_max = w_max or weight_max(cfg.weight_range)
     for group in _groups(model, cfg):
         act = ActQuant(cfg.act_scale, cfg.ema_momentum)
         for name in group:
-            _set(model, name, QuantLinear.wrap(model.get_submodule(name), act))
+            _set(model, name, QuantLinear.wrap(model.get_submodule(name), act, w_max))
     if cfg.embedding:
-        emb = QuantEmbedding.wrap(model.shared)
+        emb = QuantEmbedding.wrap(model.shared, w_max)
         model.shared = emb
         model.encoder.embed_tokens = emb  # T5 shares one embedding module between encoder and decoder
         model.decoder.embed_tokens = emb
@@ -289,7 +297,7 @@ def scales_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Per layer: weight_scale (out,), and for Linear layers act_scale and act_zero_point (scalars)."""
     state: dict[str, torch.Tensor] = {}
     for name, m in quant_layers(model).items():
-        state[f"{name}.weight_scale"] = weight_scale(m.weight).float().contiguous()
+        state[f"{name}.weight_scale"] = weight_scale(m.weight, m.w_max).float().contiguous()
         if isinstance(m, QuantLinear):
             state[f"{name}.act_scale"] = m.act.scale().detach().float().reshape(()).clone()
             state[f"{name}.act_zero_point"] = m.act.zero_point.detach().float().reshape(()).clone()
@@ -305,9 +313,10 @@ def save_scales(model: nn.Module, out: Path, cfg: FakeQuantConfig) -> dict:
     for name, m in layers.items():
         if isinstance(m, QuantLinear):
             groups.setdefault(id(m.act), []).append(name)
+    w_max = next((m.w_max for m in layers.values()), W_MAX)
     info = {
         "format": FORMAT,
-        "weights": {"dtype": "int8", "scheme": "symmetric, per output channel", "range": [-W_MAX, W_MAX]},
+        "weights": {"dtype": "int8", "scheme": "symmetric, per output channel", "range": [-w_max, w_max]},
         "activations": {"dtype": "uint8", "scheme": "per tensor, zero point 128 (signed) or 0", "mode": cfg.act_scale},
         "config": asdict(cfg),
         "layers": {n: "embedding" if isinstance(m, QuantEmbedding) else "linear" for n, m in layers.items()},
@@ -336,7 +345,7 @@ def load_fake_quant(path: str | Path, model: nn.Module) -> nn.Module:
     if info.get("format") != FORMAT:
         raise ModelError(f"'{path / SCALES_JSON}' is not a {FORMAT} scales file (format {info.get('format')!r})")
     cfg = FakeQuantConfig(**info["config"])
-    prepare(model, cfg)
+    prepare(model, cfg, w_max=int(info["weights"]["range"][1]))  # as trained, whatever this CPU is
     layers = quant_layers(model)
     if set(layers) != set(info["layers"]):
         raise ModelError(f"'{path / SCALES_JSON}' lists other layers than the model has: rerun qat")

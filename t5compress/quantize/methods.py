@@ -72,7 +72,7 @@ class StaticGraph:
         self.calibrator.collect_data(_OneFeed(feeds))
         self.feeds += 1
 
-    def write(self, dst: Path, fmt: str, per_channel: bool) -> None:
+    def write(self, dst: Path, fmt: str, per_channel: bool, reduce_range: bool = False) -> None:
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
         from onnxruntime.quantization.calibrate import save_tensors_data
 
@@ -86,20 +86,20 @@ class StaticGraph:
             quantize_static(
                 self.src, dst, calibration_data_reader=None, calibration_cache_path=cache,
                 quant_format=formats[fmt], op_types_to_quantize=list(self.plan.op_types), per_channel=per_channel,
-                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                 nodes_to_quantize=list(self.plan.nodes), nodes_to_exclude=list(self.plan.exclude),
                 calibrate_method=_calibration_methods()[self.method],
                 extra_options={"MatMulConstBOnly": True, "ActivationSymmetric": False},
             )
 
 
-def write_dynamic(src: Path, dst: Path, plan: Plan, per_channel: bool) -> None:
-    """Dynamic int8: int8 weights on disk, uint8 activations quantized per call."""
+def write_dynamic(src: Path, dst: Path, plan: Plan, per_channel: bool, reduce_range: bool = False) -> None:
+    """Dynamic int8: int8 weights on disk, uint8 activations quantized per call (7-bit weights if `reduce_range`)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with _quiet():
         quantize_dynamic(
-            src, dst, op_types_to_quantize=list(plan.op_types), per_channel=per_channel,
+            src, dst, op_types_to_quantize=list(plan.op_types), per_channel=per_channel, reduce_range=reduce_range,
             weight_type=QuantType.QInt8, nodes_to_quantize=list(plan.nodes), nodes_to_exclude=list(plan.exclude),
             extra_options={"MatMulConstBOnly": True},
         )

@@ -54,7 +54,7 @@ def weight_table(model) -> dict[bytes, _Linear | _Embedding]:
 
     table: dict[bytes, _Linear | _Embedding] = {}
     for name, m in quant_layers(model).items():
-        q, s = quantize_weight(m.weight)
+        q, s = quantize_weight(m.weight, m.w_max)
         w = m.weight.detach().float().numpy()
         if isinstance(m, QuantLinear):
             table[_key(w.T)] = _Linear(

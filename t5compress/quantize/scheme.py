@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from t5compress.config import choose, option, require
+from t5compress.cpu import WEIGHT_RANGES
 
 SCALES_JSON = "quantization.json"
 SCALES_FILE = "quantization.safetensors"
@@ -33,12 +34,16 @@ class FakeQuantConfig:
     keep_wo: str = option("auto", "Keep the FFN output projection wo in fp32: auto (gated-gelu models), yes or no.")
     lm_head: bool = option(True, "Quantize lm_head (the largest matrix, and most of the per-token time).")
     embedding: bool = option(True, "Quantize the token embedding table (per row, int8).")
+    weight_range: str = option("auto", "int8 weight range: full (+-127), reduced (+-63, for x86 CPUs without VNNI, "
+                                       "whose int8 kernels saturate at +-127) or auto (reduced on such CPUs).")
 
     def __post_init__(self) -> None:
         choose(ACT_MODES, self.act_scale, "activation scale mode")
         require(0 < self.ema_momentum < 1, "ema_momentum", f"must be in (0, 1), got {self.ema_momentum}")
         require(self.calib_batches >= 1, "calib_batches", f"must be >= 1, got {self.calib_batches}")
         require(self.keep_wo in KEEP_WO, "keep_wo", f"choose one of {', '.join(KEEP_WO)}, got {self.keep_wo!r}")
+        require(self.weight_range in WEIGHT_RANGES, "weight_range",
+                f"choose one of {', '.join(WEIGHT_RANGES)}, got {self.weight_range!r}")
 
 
 def is_qat_dir(path: str | Path) -> bool:

@@ -74,3 +74,24 @@ def int8_note(features: dict) -> str:
     if features.get("avx2"):
         return "AVX2 without VNNI: int8 helps less; U8S8 may saturate (reduce_range)"
     return "no AVX2: int8 may be slower than fp32"
+
+
+# ONNX Runtime's x86 int8 kernels without VNNI multiply uint8 activations by int8 weights with VPMADDUBSW, which adds
+# two products into int16 and saturates: 2 x 255 x 127 overflows it, 2 x 255 x 63 does not. Its quantization guide's
+# answer is reduce_range (7-bit weights) on such CPUs; measured here (AVX2, no VNNI), a QAT export with +-127 weights
+# differed from its fake-quantized model by 0.23 of the logits' scale, and by less than 0.1 with +-63.
+WEIGHT_RANGES = ("auto", "full", "reduced")
+FULL_WEIGHT_MAX, REDUCED_WEIGHT_MAX = 127, 63
+
+
+def saturates_int8(features: dict | None = None) -> bool:
+    """Whether this CPU's u8 x s8 int8 kernels saturate full-range int8 weights: x86 without VNNI or AMX."""
+    f = features or cpu_features()
+    return f["arch"] == "x86_64" and not (f.get("avx512_vnni") or f.get("avx_vnni") or f.get("amx"))
+
+
+def weight_max(weight_range: str) -> int:
+    """The largest int8 weight magnitude for `weight_range` (auto: reduced where the kernels saturate)."""
+    if weight_range == "auto":
+        return REDUCED_WEIGHT_MAX if saturates_int8() else FULL_WEIGHT_MAX
+    return REDUCED_WEIGHT_MAX if weight_range == "reduced" else FULL_WEIGHT_MAX
