@@ -9,7 +9,7 @@ TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 TRITON_REQS := triton_models/requirements.txt
 
-.PHONY: demo test test-fast lint clean triton-env bench bench-env
+.PHONY: demo test test-fast lint docs clean triton-env bench bench-env
 
 # onnx-neural-compressor 1.0 (quantize --tolerance) declares numpy<2, but the path we use (StaticQuantConfig,
 # its calibration and quantizer, tuning.autotune) runs under numpy 2: tests/test_tune.py runs exactly that path.
@@ -44,6 +44,9 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check t5compress triton_models tests benchmarks
+
+docs: $(STAMP)  ## rewrite the generated option tables in docs/*.md from the CLI (tests/test_docs.py checks them)
+	$(BIN)/python -m t5compress.cli.docgen
 
 # The speed benchmark's peers (CTranslate2, OpenVINO via optimum-intel) live in their own venv: optimum-intel pulls a
 # torchvision built for another torch and needs huggingface-hub<1 / datasets<4.4, which must not reach .venv.
