@@ -1,5 +1,5 @@
 """`t5compress bench` on tiny real models: outputs, consistent numbers, forced lengths, peers, the edge profile, and
-bad inputs (one line, non-zero exit, nothing written)."""
+bad inputs (one line, non-zero exit, nothing written); the speed-ups vs peers and --expect on hand-made entries."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from t5compress.bench.expect import MISSED_EXIT, check, exit_code
 from t5compress.bench.plots import pareto_front
 from t5compress.cli import app
 from t5compress.cpu import cpu_features
@@ -69,9 +70,12 @@ def test_bench_writes_json_markdown_plots_and_prints_the_table(bench_run):
     for name in ("pt", "onnx", "int8"):
         assert name in printed
     md = (out / "report.md").read_text()
-    for section in ("## Variants", "## Latency, 1 thread", "## Goals", "![pareto.png](pareto.png)"):
+    for section in ("## Variants", "## Latency, 1 thread", "## Speed-up vs the fastest peer", "## Size vs our fp32",
+                    "![pareto.png](pareto.png)"):
         assert section in md
-    assert len(r["goals"]["cells"]) == 4  # 1 thread x 2 batch sizes x 2 beam widths
+    # No --expect: the report states numbers, no verdicts.
+    assert r["expectations"] is None and not any(w in md for w in ("## Expectations", "**met**", "missed", "hit"))
+    assert len(r["speedups"]) == 4  # 1 thread x 2 batch sizes x 2 beam widths
     assert not list(out.glob("*.npz")) and not list(out.glob("logs/*.json"))  # no scratch left behind
 
 
@@ -94,7 +98,8 @@ def test_sizes_are_exactly_the_files_each_engine_loads(bench_run, tiny_variants)
     for name, entry in e.items():
         assert entry["size_bytes"] == sum((tiny_variants[name] / f).stat().st_size for f in entry["files"])
     assert e["int8"]["size_bytes"] < e["onnx"]["size_bytes"]
-    assert r["goals"]["size"]["int8"]["int8"]["ratio"] == round(e["int8"]["size_bytes"] / e["onnx"]["size_bytes"], 3)
+    assert r["sizes"]["fp32"] == "onnx"
+    assert r["sizes"]["ratios"]["int8"] == round(e["int8"]["size_bytes"] / e["onnx"]["size_bytes"], 3)
 
 
 def test_accuracy_agreement_memory_and_cold_start(bench_run):
@@ -111,10 +116,15 @@ def test_accuracy_agreement_memory_and_cold_start(bench_run):
     # Each variant runs in its own process: the ONNX runtime never imports torch, so its peak memory is its own and
     # well below the PyTorch worker's (a shared or inherited measurement would make them equal).
     assert e["onnx"]["peak_rss_mb"] < e["pt"]["peak_rss_mb"] - 50
-    # No peers in this run: the goals say so instead of claiming anything.
-    for c in r["goals"]["cells"]:
-        assert c["goals"]["int8"] == {**c["goals"]["int8"], "status": "not measured", "why": "no int8 peer (--peers)"}
-        assert c["goals"]["pruned+int8"]["why"] == "no pruned+int8 variant of ours; no int8 peer (--peers)"
+    # No peers in this run: every speed-up says so instead of claiming anything, and so would any expectation.
+    for c in r["speedups"]:
+        assert c["variants"]["int8"] == {**c["variants"]["int8"], "speedup": None, "why": "no int8 peer (--peers)"}
+        assert c["variants"]["onnx"]["why"] == "no fp32 peer (--peers)" and c["variants"]["onnx"]["p50_ms"] > 0
+    checked = check(r["entries"], r["speedups"], r["sizes"], {"int8": 1.33, "pruned+int8": 2.0})
+    for c in checked["cells"]:
+        assert c["results"]["int8"] == {"need": 1.33, "status": "not measured", "why": "no int8 peer (--peers)"}
+        assert c["results"]["pruned+int8"]["why"] == "no pruned+int8 variant of ours; no int8 peer (--peers)"
+    assert checked["missed"] == [] and exit_code(checked) == 0
 
 
 def test_a_variant_that_crashes_becomes_an_error_entry(tiny_variants, tmp_path):
@@ -138,8 +148,10 @@ def test_peers_optimum_and_ctranslate2_on_the_same_grid(tiny_variants, tmp_path)
     result = runner.invoke(app, ["bench", f"pt={tiny_variants['pt']}", f"int8={tiny_variants['int8']}", "--out",
                                  str(out), "--peers", "optimum-fp32,ctranslate2-int8,openvino-fp32", "--batch-sizes",
                                  "1", "--beams", "1,2", "--input-tokens", "8", "--output-tokens", "6", "--repeats",
-                                 "2", "--eval-max", "8", "--no-plots"])
-    assert result.exit_code == 0, result.output
+                                 "2", "--eval-max", "8", "--no-plots", "--expect", "int8=1000", "--expect", "fp32=1"])
+    # int8 1000x the fastest int8 peer is missed: exit 3, after the whole report was written and printed.
+    assert result.exit_code == MISSED_EXIT, result.output
+    assert result.output.strip().splitlines()[-1].startswith("expectations missed: int8 >= 1000x (missed in 2 of 2")
     r = json.loads((out / "bench.json").read_text())
     e = _entries(r)
     for name in ("optimum-fp32", "ctranslate2-int8"):
@@ -149,10 +161,15 @@ def test_peers_optimum_and_ctranslate2_on_the_same_grid(tiny_variants, tmp_path)
         assert p["size_bytes"] == sum((out / "peers" / name / f).stat().st_size for f in p["files"]) > 0
         assert all(c["new_tokens_min"] == c["new_tokens_max"] == 6 for c in p["cells"])
     assert e["optimum-fp32"]["accuracy"]["agreement"] >= 7 / 8  # the same fp32 model through ONNX Runtime
-    int8_goal = r["goals"]["cells"][0]["goals"]["int8"]
-    assert int8_goal["status"] in ("hit", "missed") and int8_goal["peer"]["name"] == "ctranslate2-int8"
-    assert int8_goal["speedup"] == round(int8_goal["peer"]["p50_ms"] / int8_goal["ours"]["p50_ms"], 2)
+    int8 = r["speedups"][0]["variants"]["int8"]
+    assert int8["peer"]["name"] == "ctranslate2-int8" == r["speedups"][0]["fastest_peer"]["int8"]["name"]
+    assert int8["speedup"] == round(e["ctranslate2-int8"]["cells"][0]["p50_ms"] / e["int8"]["cells"][0]["p50_ms"], 2)
+    x = r["expectations"]
+    assert x["asked"] == {"int8": 1000.0, "fp32": 1.0} and x["summary"]["int8"]["missed"] == 2
+    assert x["cells"][0]["results"]["fp32"] == {"need": 1.0, "status": "not measured",
+                                               "why": "no fp32 variant of ours"}
     md = (out / "report.md").read_text()
+    assert "## Expectations" in md and "**missed**" in md and f"{int8['speedup']:.2f}x** vs ctranslate2-int8" in md
     assert "## Peer settings" in md and "ctranslate2.Translator" in md
     if "openvino-fp32" not in e:  # not installed in this venv: skipped with its reason, in the report
         assert "openvino-fp32" in r["skipped"] and "openvino-fp32" in md
@@ -242,6 +259,163 @@ def test_bad_inputs_get_one_line_and_nothing_written(tiny_variants, tmp_path):
     _bad(["bench", str(tiny_variants["onnx"]), "--out", str(out)], "already exists", out)
     assert list(out.iterdir()) == []
     assert not list(tmp_path.glob(".out.*"))  # no staged leftovers
+
+
+def _entry(name: str, owner: str, precision: str, p50s: list[float | None], pruned: bool = False,
+           size: int = 100) -> dict:
+    """A hand-made bench.json entry: one cell per p50 on the grid KEYS (None: a short result)."""
+    cells = [{"threads": t, "batch": b, "beams": k, "p50_ms": p50 or 1.0, "short": p50 is None, "new_tokens_min": 3,
+              "new_tokens_max": 8} for (t, b, k), p50 in zip(KEYS, p50s, strict=True)]
+    return {"name": name, "owner": owner, "precision": precision, "pruned": pruned, "size_bytes": size,
+            "cells": cells}
+
+
+KEYS = [(1, 1, 1), (1, 8, 1)]
+HAND_MADE = [
+    _entry("fp32", "ours", "fp32", [100.0, 400.0], size=400),
+    _entry("int8", "ours", "int8", [50.0, 200.0], size=100),
+    _entry("pruned-int8", "ours", "int8", [40.0, None], pruned=True, size=120),  # short at batch 8
+    _entry("pytorch", "baseline", "fp32", [10.0, 10.0], size=200),  # not a peer: never the one compared with
+    _entry("ct2-int8", "peer", "int8", [60.0, 300.0], size=50),
+    _entry("ort-int8", "peer", "int8", [80.0, 220.0]),
+    _entry("ov-fp32", "peer", "fp32", [90.0, None]),  # short at batch 8: left out of that cell
+    _entry("ort-fp32", "peer", "fp32", [120.0, 500.0]),
+]
+
+
+def test_speedup_vs_the_fastest_peer_of_the_same_precision():
+    from t5compress.bench.compare import sizes, speedups
+
+    b1, b8 = speedups(HAND_MADE, KEYS, output_tokens=8)
+    assert (b1["threads"], b1["batch"], b1["beams"]) == (1, 1, 1)
+    assert list(b1["variants"]) == ["fp32", "int8", "pruned-int8"]  # ours only
+    assert b1["fastest_peer"] == {"int8": {"name": "ct2-int8", "p50_ms": 60.0},
+                                  "fp32": {"name": "ov-fp32", "p50_ms": 90.0}}
+    assert b1["variants"]["int8"] == {"precision": "int8", "pruned": False, "p50_ms": 50.0,
+                                      "peer": {"name": "ct2-int8", "p50_ms": 60.0}, "speedup": 1.2}
+    assert b1["variants"]["pruned-int8"]["speedup"] == 1.5  # pruned: against the same unpruned int8 peers
+    assert b1["variants"]["fp32"]["speedup"] == 0.9 and b1["variants"]["fp32"]["peer"]["name"] == "ov-fp32"
+    # Batch 8: the fastest int8 peer is another one, ov-fp32 is short (ort-fp32 counts), our pruned int8 is short.
+    assert (b8["variants"]["int8"]["peer"]["name"], b8["variants"]["int8"]["speedup"]) == ("ort-int8", 1.1)
+    assert (b8["variants"]["fp32"]["peer"]["name"], b8["variants"]["fp32"]["speedup"]) == ("ort-fp32", 1.25)
+    assert b8["variants"]["pruned-int8"] == {"precision": "int8", "pruned": True, "p50_ms": None,
+                                             "peer": {"name": "ort-int8", "p50_ms": 220.0}, "speedup": None,
+                                             "why": "short (3-8 of 8 tokens)"}
+    s = sizes(HAND_MADE)
+    assert (s["fp32"], s["fp32_bytes"]) == ("fp32", 400)
+    assert s["ratios"] == {"int8": 0.25, "pruned-int8": 0.3, "pytorch": 0.5, "ct2-int8": 0.125, "ort-int8": 0.25,
+                           "ov-fp32": 0.25, "ort-fp32": 0.25}
+    no_peers = speedups([e for e in HAND_MADE if e["owner"] != "peer"], KEYS)
+    assert no_peers[0]["variants"]["fp32"]["why"] == "no fp32 peer (--peers)"
+
+
+def test_expectations_met_missed_and_not_measured_and_the_exit_code():
+    from t5compress.bench.report import comparisons
+
+    asked = {"int8": 1.2, "pruned+int8": 1.4, "fp32": 1.0, "size": 0.26}
+    x = comparisons(HAND_MADE, KEYS, 8, asked)["expectations"]
+    b1, b8 = (c["results"] for c in x["cells"])
+    assert b1["int8"] == {"need": 1.2, "ours": {"name": "int8", "p50_ms": 50.0},
+                          "peer": {"name": "ct2-int8", "p50_ms": 60.0}, "speedup": 1.2, "status": "met"}  # 1.2 >= 1.2
+    assert (b8["int8"]["speedup"], b8["int8"]["status"]) == (1.1, "missed")
+    assert (b1["pruned+int8"]["status"], b1["pruned+int8"]["speedup"]) == ("met", 1.5)
+    assert b8["pruned+int8"] == {"need": 1.4, "status": "not measured",
+                                 "why": "no result of ours of exactly the forced length"}
+    assert (b1["fp32"]["status"], b8["fp32"]["status"]) == ("missed", "met")  # 0.9x, then 1.25x
+    assert x["size"]["variants"] == {"int8": {"ratio": 0.25, "status": "met"},
+                                     "pruned-int8": {"ratio": 0.3, "status": "missed"}}
+    assert x["summary"] == {"int8": {"met": 1, "missed": 1, "not_measured": 0},
+                            "pruned+int8": {"met": 1, "missed": 0, "not_measured": 1},
+                            "fp32": {"met": 1, "missed": 1, "not_measured": 0},
+                            "size": {"met": 1, "missed": 1, "not_measured": 0}}
+    assert x["missed"] == ["int8 >= 1.2x (missed in 1 of 2 measured cells)",
+                           "fp32 >= 1x (missed in 1 of 2 measured cells)", "size <= 0.26x (pruned-int8)"]
+    assert exit_code(x) == MISSED_EXIT == 3
+    met = comparisons(HAND_MADE, KEYS, 8, {"int8": 1.1, "size": 0.5})["expectations"]
+    assert met["missed"] == [] and exit_code(met) == 0
+    assert comparisons(HAND_MADE, KEYS, 8, {})["expectations"] is None and exit_code(None) == 0
+
+
+def _fake_report(asked: dict) -> dict:
+    from t5compress.bench.report import comparisons
+
+    return {"settings": {"input_tokens": 8, "output_tokens": 8, "threads": [1], "batch_sizes": [1, 8], "beams": [1],
+                         "expect": [f"{k}={v}" for k, v in asked.items()]},
+            "inputs": {"source": "generated sentences"}, "skipped": {},
+            "entries": [{**e, "label": e["name"], "cold_start_s": 0.1, "peak_rss_mb": 50.0} for e in HAND_MADE],
+            **comparisons(HAND_MADE, KEYS, 8, asked)}
+
+
+def test_cli_exits_3_naming_the_missed_expectations_after_printing_the_report(monkeypatch, tmp_path):
+    import t5compress.bench.stage as stage
+
+    seen = {}
+
+    def fake_run(variants, cfg, out, force=False):
+        seen["expect"] = cfg.expectations
+        return _fake_report(cfg.expectations)
+
+    monkeypatch.setattr(stage, "run", fake_run)
+    args = ["bench", "x", "--out", str(tmp_path / "out"), "--batch-sizes", "1,8", "--beams", "1"]
+    result = runner.invoke(app, [*args, "--expect", "int8=1.2", "--expect", "size=0.26"])
+    assert result.exit_code == 3 and seen["expect"] == {"int8": 1.2, "size": 0.26}
+    lines = result.output.strip().splitlines()
+    assert "bench report →" in result.output and "expect int8 >= 1.2x: met in 1 of 2 measured cells" in result.output
+    assert "1.20x ct2-int8" in result.output  # the speed-up table
+    assert lines[-1] == "expectations missed: int8 >= 1.2x (missed in 1 of 2 measured cells); size <= 0.26x " \
+                        "(pruned-int8)"
+    result = runner.invoke(app, [*args, "--expect", "int8=1.1"])
+    assert result.exit_code == 0 and "expect int8 >= 1.1x: met in 2 of 2 measured cells" in result.output
+
+
+def test_bad_expect_values_are_one_line_exit_2_and_nothing_measured(monkeypatch, tmp_path):
+    import t5compress.bench.stage as stage
+
+    monkeypatch.setattr(stage, "run", lambda *a, **k: pytest.fail("measured despite a bad --expect"))
+    out = tmp_path / "out"
+    for value, needle in (("int9=1.3", "unknown key 'int9'"), ("int8=fast", "must be a number > 0"),
+                          ("int8=0", "must be a number > 0"), ("size=-1", "must be a number > 0"),
+                          ("int8", "give KEY=RATIO"), ("int8=nan", "must be a number > 0")):
+        result = runner.invoke(app, ["bench", "x", "--out", str(out), "--expect", "fp32=1", "--expect", value])
+        assert result.exit_code == 2, (value, result.output)
+        lines = [x for x in result.output.strip().splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: expect:") and needle in lines[0], result.output
+        assert not out.exists()
+
+
+def test_expect_in_a_recipe_is_a_list_of_key_ratio_strings():
+    from t5compress.bench import BenchConfig
+    from t5compress.recipe.schema import RecipeError, build
+
+    assert build("bench", BenchConfig, {"expect": ["int8=1.33", "size=0.27"]}).expectations == {"int8": 1.33,
+                                                                                                "size": 0.27}
+    assert build("bench", BenchConfig, {"expect": "fp32=1"}).expect == ("fp32=1",)
+    with pytest.raises(RecipeError, match="bench.expect: unknown key 'speed'"):
+        build("bench", BenchConfig, {"expect": ["speed=2"]})
+
+
+def test_an_old_bench_json_with_goals_renders_and_rerenders_in_todays_format(tmp_path):
+    from t5compress.bench.report import markdown, rerender
+
+    old = json.loads((Path(__file__).parents[1] / "benchmarks/results/bench_goals.json").read_text())
+    old = old["shapes"]["t5-small"]
+    assert "goals" in old and "speedups" not in old
+    md = markdown(old)
+    assert "## Speed-up vs the fastest peer" in md and "## Goals" not in md and "**hit**" not in md
+    assert "| 1 | 1 | greedy | 415 ms, **0.88x** vs openvino-fp32 (364 ms) | 225 ms, **1.03x** vs ctranslate2-int8 " \
+           "(231 ms) |" in md
+    # Its goals come back as the expectations they were (the thresholds the old file recorded).
+    assert "Expected (--expect): int8 >= 1.33x, pruned+int8 >= 2x, fp32 >= 1x, size <= 0.27x" in md
+    assert "**missed** 1.03x: int8-static 225 vs ctranslate2-int8 231 ms" in md
+    (tmp_path / "bench.json").write_text(json.dumps(old))
+    rerender(tmp_path / "bench.json")
+    new = json.loads((tmp_path / "bench.json").read_text())
+    assert "goals" not in new and new["settings"]["expect"] == ["int8=1.33", "pruned+int8=2", "fp32=1", "size=0.27"]
+    assert new["speedups"][0]["variants"]["int8-static"]["speedup"] == 1.03
+    assert (tmp_path / "report.md").read_text() == md
+    rerender(tmp_path / "bench.json", ["int8=1"])  # other expectations on the same measurements
+    new = json.loads((tmp_path / "bench.json").read_text())
+    assert new["expectations"]["asked"] == {"int8": 1.0} and new["expectations"]["summary"]["int8"]["met"] == 2
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from t5compress.bench.expect import parse as parse_expectations
 from t5compress.config import option as opt
 from t5compress.config import require
 
@@ -37,6 +38,9 @@ class BenchConfig:
     timeout_s: int = opt(1800, "Give up on a variant whose measuring process runs longer than this (seconds).")
     plots: bool = opt(True, "Write PNG plots (latency vs accuracy with the Pareto front, sizes, latency vs batch).")
     seed: int = opt(0, "Seed of the generated sentences used without --data.")
+    expect: tuple[str, ...] = opt((), "Expectations to check, KEY=RATIO: int8, pruned+int8, fp32 (our fastest such "
+                                      "variant at least RATIO x the fastest peer of its precision, per grid cell) or "
+                                      "size (our int8 files at most RATIO x our fp32 export's).")
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "threads", "beams"):
@@ -49,8 +53,13 @@ class BenchConfig:
         require(self.repeats >= 1, "repeats", f"must be >= 1, got {self.repeats}")
         require(self.warmup >= 0, "warmup", f"must be >= 0, got {self.warmup}")
         require(self.timeout_s >= 1, "timeout_s", f"must be >= 1, got {self.timeout_s}")
+        parse_expectations(self.expect)  # a bad item is one line naming it, before anything is measured
         bad = [p for p in self.peers if p not in (*PEERS, "all")]
         require(not bad, "peers", f"unknown peer {', '.join(bad)}; choose from {', '.join(PEERS)} or all")
+
+    @property
+    def expectations(self) -> dict[str, float]:
+        return parse_expectations(self.expect)
 
     @property
     def peer_names(self) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from t5compress.bench.goals import cell_of, valid
+from t5compress.bench.compare import cell_of, valid
 
 COLORS = {"ours": "tab:blue", "baseline": "tab:gray", "peer": "tab:orange"}
 

@@ -1,4 +1,5 @@
-"""The bench report: bench.json (one dict: settings, environment, entries, goals) and its Markdown rendering."""
+"""The bench report: bench.json (one dict: settings, environment, entries, speed-ups vs the peers, sizes, and the
+expectations asked for) and its Markdown rendering."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import platform
 from pathlib import Path
 
 from t5compress import metrics
-from t5compress.bench import goals
+from t5compress.bench import compare, expect
 from t5compress.bench.config import BenchConfig
 from t5compress.bench.inputs import Inputs, decode
 from t5compress.bench.variants import Variant
@@ -35,7 +36,8 @@ def grid(cfg: BenchConfig) -> list[tuple[int, int, int]]:
 
 def assemble(cfg: BenchConfig, variants: list[Variant], results: dict, inputs: Inputs, skipped: dict,
              first: str, out: Path, tmp: Path) -> dict:
-    """bench.json: every entry with its measurements, accuracy and agreement, the goals per cell, the environment."""
+    """bench.json: every entry with its measurements, accuracy and agreement, the speed-ups per cell, the sizes, the
+    expectations, the environment."""
     texts = {n: decode(inputs.tokenizer_dir, r["outputs"]) for n, r in results.items() if r.get("outputs")}
     entries = []
     for v in variants:
@@ -48,8 +50,6 @@ def assemble(cfg: BenchConfig, variants: list[Variant], results: dict, inputs: I
         if v.name in texts:
             e["accuracy"] = _accuracy(texts[v.name], texts.get(first), inputs, first)
         entries.append(e)
-    keys = grid(cfg)
-    rows = goals.per_cell(entries, keys)
     cpu = cpu_features()
     return {
         "stage": "bench",
@@ -65,8 +65,15 @@ def assemble(cfg: BenchConfig, variants: list[Variant], results: dict, inputs: I
         "edge": {"cpu": cpu, "int8": int8_note(cpu), "arm64_preset": ARM64_PRESET} if cfg.edge else None,
         "entries": entries,
         "skipped": skipped,
-        "goals": {"cells": rows, "summary": goals.summary(rows), "size": goals.sizes(entries)},
+        **comparisons(entries, grid(cfg), cfg.output_tokens, cfg.expectations),
     }
+
+
+def comparisons(entries: list[dict], keys: list[tuple[int, int, int]], output_tokens: int,
+                expectations: dict[str, float]) -> dict:
+    """The report's computed part: speed-ups per cell vs the fastest peer, sizes vs our fp32, the expectations."""
+    rows, size = compare.speedups(entries, keys, output_tokens), compare.sizes(entries)
+    return {"speedups": rows, "sizes": size, "expectations": expect.check(entries, rows, size, expectations)}
 
 
 def _accuracy(preds: list[str], ref_preds: list[str] | None, inputs: Inputs, first: str) -> dict:
@@ -98,6 +105,7 @@ def mb(b: int | None) -> str:
 
 
 def markdown(r: dict) -> str:
+    r = upgrade(r)
     s, n = r["settings"], r["settings"]["output_tokens"]
     env = r["environment"]
     vers = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
@@ -114,7 +122,7 @@ def markdown(r: dict) -> str:
     lines += _entries(r)
     for t in s["threads"]:
         lines += _latency(r, t, n)
-    lines += _goals(r)
+    lines += speedup_lines(r) + size_lines(r) + expectation_lines(r)
     lines += _peers(r)
     if r.get("plots"):
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in r["plots"]] + [""]
@@ -131,7 +139,7 @@ def _edge(r: dict) -> list[str]:
              "|---|---|---|---|---|" + "---|" * len(r["settings"]["threads"])]
     b = min(r["settings"]["batch_sizes"])
     for x in r["entries"]:
-        cells = [goals.cell_of(x, (t, b, 1)) for t in r["settings"]["threads"]]
+        cells = [compare.cell_of(x, (t, b, 1)) for t in r["settings"]["threads"]]
         lines.append(f"| {x['name']} | {x['precision']} | {x.get('cold_start_s', '–')} | {x.get('peak_rss_mb', '–')} "
                      f"| {mb(x['size_bytes'])} | " + " | ".join(cell_text(c, r['settings']['output_tokens'])
                                                           for c in cells) + " |")
@@ -160,7 +168,7 @@ def _latency(r: dict, threads: int, n: int) -> list[str]:
              f"{keys[-1][1]} {decode_name(keys[-1][2])}) | first token ms (b{keys[0][1]} greedy) |",
              "|---|" + "---|" * (len(keys) + 2)]
     for x in r["entries"]:
-        cells = [goals.cell_of(x, k) for k in keys]
+        cells = [compare.cell_of(x, k) for k in keys]
         last, first = cells[-1], cells[0]
         lines.append(f"| {x['name']} | " + " | ".join(cell_text(c, n) for c in cells) +
                      f" | {last['tokens_per_s'] if last else '–'} | {first['ttft_ms'] if first else '–'} |")
@@ -172,33 +180,81 @@ def grid_of(r: dict) -> list[tuple[int, int, int]]:
     return [(t, b, k) for t in s["threads"] for b in s["batch_sizes"] for k in s["beams"]]
 
 
-def _goals(r: dict) -> list[str]:
-    g = r["goals"]
-    lines = ["## Goals", "", f"Speed-up = the fastest peer's p50 / ours, per cell; only results of exactly the forced "
-             f"length count. int8: ours >= {goals.INT8_GOAL}x the fastest int8 peer; pruned+int8: >= "
-             f"{goals.PRUNED_GOAL}x it; fp32: our fp32 export faster than every fp32 peer.", "",
-             "| threads | batch | decode | " + " | ".join(g["summary"]) + " |", "|---|---|---|" + "---|" * len(
-                 g["summary"])]
-    for row in g["cells"]:
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _cell_key(row: dict) -> str:
+    return f"| {row['threads']} | {row['batch']} | {decode_name(row['beams'])} | "
+
+
+def speedup_lines(r: dict, level: int = 2) -> list[str]:
+    """Per grid cell and variant of ours: p50, the speed-up over the fastest peer of its precision, and that peer."""
+    rows, h = r["speedups"], "#" * level
+    names = list(rows[0]["variants"]) if rows else []
+    lines = [f"{h} Speed-up vs the fastest peer", ""]
+    if not names:
+        return lines + ["No variant of ours (an ONNX or TorchScript export, a served model) to compare.", ""]
+    if not any(x["owner"] == "peer" for x in r["entries"]):
+        return lines + ["No peer was measured" + (" (see Skipped peers)" if r["skipped"] else
+                                                  " (give --peers, e.g. --peers all)") + ": nothing to compare.", ""]
+    lines += ["Per grid cell, each variant of ours: its p50 ms and its speed-up = the p50 of the fastest peer of the "
+              "same precision / ours (int8 vs int8 peers, fp32 vs fp32 peers; a pruned variant vs the same unpruned "
+              "peers), and which peer that was. Only results of exactly the forced length count.", "",
+              "| threads | batch | decode | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    for row in rows:
         cells = []
-        for goal in g["summary"]:
-            x = row["goals"][goal]
-            if x["status"] == "not measured":
-                cells.append(f"not measured ({x['why']})")
+        for x in row["variants"].values():
+            if x["speedup"] is not None:
+                cells.append(f"{_ms(x['p50_ms'])} ms, **{x['speedup']:.2f}x** vs {x['peer']['name']} "
+                             f"({_ms(x['peer']['p50_ms'])} ms)")
             else:
-                cells.append(f"**{x['status']}** {x['speedup']:.2f}x: {x['ours']['name']} {x['ours']['p50_ms']:.0f} "
-                             f"vs {x['peer']['name']} {x['peer']['p50_ms']:.0f} ms")
-        lines.append(f"| {row['threads']} | {row['batch']} | {decode_name(row['beams'])} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", "; ".join(f"{k}: hit on {v['hit']} of {v['hit'] + v['missed']} measured cells"
-                            + (f", {v['not_measured']} not measured" if v["not_measured"] else "")
-                            for k, v in g["summary"].items()) + ".", ""]
-    size = g["size"]
-    if size.get("status") == "not measured":
-        lines += [f"Size goal (int8 files <= {goals.SIZE_GOAL}x our fp32 files): not measured ({size['why']}).", ""]
-    else:
-        lines += [f"Size goal (int8 files <= {goals.SIZE_GOAL}x `{size['fp32']}`'s fp32 files): " + ", ".join(
-            f"{n} {v['ratio']}x **{v['status']}**" for n, v in size["int8"].items()) + ".", ""]
+                cells.append((f"{_ms(x['p50_ms'])} ms; " if x["p50_ms"] else "") + x["why"])
+        lines.append(_cell_key(row) + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def size_lines(r: dict, level: int = 2) -> list[str]:
+    size = r["sizes"]
+    lines = [f"{'#' * level} Size vs our fp32 export", ""]
+    if not size.get("fp32"):
+        return lines + [f"Not compared: {size['why']}.", ""]
+    return lines + [f"Files on disk against `{size['fp32']}`'s ({mb(size['fp32_bytes'])} MB): " + ", ".join(
+        f"{n} {v:.3f}x" for n, v in size["ratios"].items()) + ".", ""]
+
+
+def expectation_lines(r: dict, level: int = 2) -> list[str]:
+    """The expectations asked for (--expect), per cell and in sum; nothing when none was asked."""
+    x = r.get("expectations")
+    if not x:
+        return []
+    asked = x["asked"]
+    speed = [k for k in asked if k in expect.SPEED]
+    lines = [f"{'#' * level} Expectations", "",
+             "Expected (--expect): " + ", ".join(expect.need(k, v) for k, v in asked.items()) + ". Speed: per grid "
+             "cell, our fastest variant of that kind over the fastest peer of its precision (as above); size: each "
+             "int8 variant of ours against our fp32 export's files.", ""]
+    if speed:
+        lines += ["| threads | batch | decode | " + " | ".join(expect.need(k, asked[k]) for k in speed) + " |",
+                  "|---|---|---|" + "---|" * len(speed)]
+        for row in x["cells"]:
+            cells = []
+            for k in speed:
+                g = row["results"][k]
+                cells.append(f"not measured ({g['why']})" if g["status"] == "not measured" else
+                             f"**{g['status']}** {g['speedup']:.2f}x: {g['ours']['name']} {_ms(g['ours']['p50_ms'])} "
+                             f"vs {g['peer']['name']} {_ms(g['peer']['p50_ms'])} ms")
+            lines.append(_cell_key(row) + " | ".join(cells) + " |")
+        lines += ["", "; ".join(f"{expect.need(k, asked[k])}: met in {v['met']} of {v['met'] + v['missed']} "
+                                "measured cells" + (f", {v['not_measured']} not measured" if v["not_measured"] else "")
+                                for k, v in x["summary"].items() if k != "size") + ".", ""]
+    if "size" in x:
+        size, need = x["size"], expect.need("size", asked["size"])
+        lines += [f"{need}: not measured ({size['why']})." if size.get("status") == "not measured" else
+                  f"{need} of `{size['fp32']}`'s files: " + ", ".join(
+                      f"{n} {v['ratio']:.3f}x **{v['status']}**" for n, v in size["variants"].items()) + ".", ""]
+    lines += [("**Missed**: " + "; ".join(x["missed"]) + ".") if x["missed"] else
+              "No expectation missed.", ""]
     return lines
 
 
@@ -221,22 +277,50 @@ def _peers(r: dict) -> list[str]:
     return lines
 
 
-def rerender(bench_json: Path) -> str:
-    """Recompute the goals of a bench.json and rewrite it and its report.md (after the goal rules changed)."""
+def recompute(r: dict, expect_items: list[str] | None = None) -> dict:
+    """`r` with its speed-ups, sizes and expectations computed again from its entries (the expectations of
+    `expect_items` when given, else its own); a bench.json from before --expect has its goals as the expectations."""
+    r = dict(r)
+    old = r.pop("goals", None)
+    settings = dict(r["settings"])
+    if expect_items is not None:
+        settings["expect"] = list(expect_items)
+    elif "expect" not in settings:
+        settings["expect"] = _goals_asked(old)
+    r["settings"] = settings
+    return {**r, **comparisons(r["entries"], grid_of(r), settings["output_tokens"], expect.parse(settings["expect"]))}
+
+
+def _goals_asked(old: dict | None) -> list[str]:
+    """The KEY=RATIO items equal to an old bench.json's goals (the thresholds its 'need' fields recorded)."""
+    if not old:
+        return []
+    needs = {k: g["need"] for k, g in (old["cells"][0]["goals"] if old.get("cells") else {}).items()}
+    if "need" in old.get("size", {}):
+        needs["size"] = old["size"]["need"]
+    return [f"{k}={v:g}" for k, v in needs.items()]
+
+
+def upgrade(r: dict) -> dict:
+    """A bench.json of any version in today's shape (an old one recomputed; today's as it is)."""
+    return r if "speedups" in r and "goals" not in r else recompute(r)
+
+
+def rerender(bench_json: Path, expect_items: list[str] | None = None) -> str:
+    """Recompute a bench.json's speed-ups and expectations (`expect_items` instead of its own when given) and rewrite
+    it and its report.md; an old bench.json (with 'goals') comes out in today's format."""
     import json
 
     from t5compress.artifacts import write_json
 
-    r = json.loads(Path(bench_json).read_text())
-    rows = goals.per_cell(r["entries"], grid_of(r))
-    r["goals"] = {"cells": rows, "summary": goals.summary(rows), "size": goals.sizes(r["entries"])}
+    r = recompute(json.loads(Path(bench_json).read_text()), expect_items)
     write_json(bench_json, r)
     md = markdown(r)
     Path(bench_json).with_name("report.md").write_text(md)
     return md
 
 
-if __name__ == "__main__":  # python -m t5compress.bench.report OUT/bench.json
+if __name__ == "__main__":  # python -m t5compress.bench.report OUT/bench.json [KEY=RATIO ...]
     import sys
 
-    rerender(Path(sys.argv[1]))
+    rerender(Path(sys.argv[1]), sys.argv[2:] or None)

@@ -31,7 +31,7 @@ class Variant:
     precision: str  # fp32 | int8
     label: str  # what it is, for people: "ONNX int8 static (pruned)"
     role: str = "variant"  # variant | peer
-    owner: str = "ours"  # ours | baseline | peer (who made the runtime: the goals compare ours with peers)
+    owner: str = "ours"  # ours | baseline | peer (who made the runtime: the speed-ups compare ours with peers)
     pruned: bool = False
     lineage: list[str] = field(default_factory=list)  # stages, newest first
     files: list[str] = field(default_factory=list)  # relative to path: exactly what the engine loads

@@ -1,4 +1,4 @@
-"""`t5compress bench VARIANT... --out DIR [--data EVAL] [--peers all] [--edge]`."""
+"""`t5compress bench VARIANT... --out DIR [--data EVAL] [--peers all] [--edge] [--expect KEY=RATIO]...`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from t5compress.bench.config import BenchConfig as B
-from t5compress.cli.common import Force, command, console, fail
+from t5compress.bench.expect import MISSED_EXIT, exit_code
+from t5compress.cli.common import Force, command, console, err_console, fail
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 
@@ -52,29 +53,41 @@ def bench(
     timeout_s: Annotated[int, typer.Option(help=_h(B, "timeout_s"))] = _d(B, "timeout_s"),
     plots: Annotated[bool, typer.Option(help=_h(B, "plots"))] = _d(B, "plots"),
     seed: Annotated[int, typer.Option(help=_h(B, "seed"))] = _d(B, "seed"),
+    expect: Annotated[list[str] | None, typer.Option(
+        "--expect", metavar="KEY=RATIO", help=_h(B, "expect") + f" Repeatable. A missed one exits with code "
+        f"{MISSED_EXIT} after the whole report is written (for CI).")] = None,
     force: Force = False,
 ) -> None:
-    """Measure every variant (and the peers) on one grid: latency, cold start, memory, size, accuracy; plots."""
+    """Measure every variant (and the peers) on one grid: latency, cold start, memory, size, accuracy, the speed-up
+    over the fastest peer; plots. Exit code 3: an --expect was missed (the report is written); 2: bad input."""
     from t5compress.bench.stage import run
 
     cfg = B(data=data, field=field, target_field=target_field, prefix=prefix, eval_max=eval_max,
             max_new_tokens=max_new_tokens, batch_sizes=_ints(batch_sizes, "batch-sizes"), input_tokens=input_tokens,
             output_tokens=output_tokens, threads=_ints(threads, "threads"), beams=_ints(beams, "beams"),
             repeats=repeats, warmup=warmup, peers=tuple(p.strip() for p in peers.split(",") if p.strip()),
-            peer_python=peer_python, edge=edge, timeout_s=timeout_s, plots=plots, seed=seed)
+            peer_python=peer_python, edge=edge, timeout_s=timeout_s, plots=plots, seed=seed,
+            expect=tuple(expect or ()))
     report = run(variants, cfg, out, force=force)
     print_report(report, console)
     console.print(f"bench report → [bold]{out}[/bold] (bench.json, report.md"
                   + (", " + ", ".join(report.get("plots", [])) if report.get("plots") else "") + ")")
+    code = exit_code(report.get("expectations"))
+    if code:
+        err_console.print("[red]expectations missed:[/red] " + "; ".join(report["expectations"]["missed"]),
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(code=code)
 
 
 def print_report(r: dict, con) -> None:
-    """One row per variant: size, cold start, memory, p50 per grid cell, accuracy; then the goals per cell."""
+    """One row per variant: size, cold start, memory, p50 per grid cell, accuracy; then the speed-ups over the fastest
+    peer per cell and the expectations asked for."""
     from rich.table import Table
 
-    from t5compress.bench.goals import cell_of
-    from t5compress.bench.report import decode_name, grid_of, mb
+    from t5compress.bench.compare import cell_of
+    from t5compress.bench.report import decode_name, grid_of, mb, upgrade
 
+    r = upgrade(r)  # a recipe's bench stage may hand back a bench.json written before speed-ups
     keys, n = grid_of(r), r["settings"]["output_tokens"]
     t = Table(title=f"bench: p50 ms per call, {r['settings']['input_tokens']} tokens in, {n} out (p90, p99 in "
                     "report.md)", title_justify="left")
@@ -97,11 +110,8 @@ def print_report(r: dict, con) -> None:
                   f"{e['peak_rss_mb']:.0f}", *[_p50(cell_of(e, k)) for k in keys],
                   *([str(a.get(acc_key, "–"))] if acc_key else []), str(a.get("agreement", "–")))
     con.print(t)
-    summary = r["goals"]["summary"]
-    con.print("goals: " + "; ".join(
-        f"{g} hit {v['hit']}/{v['hit'] + v['missed']}" + (f" ({v['not_measured']} not measured)"
-                                                          if v["not_measured"] else "")
-        for g, v in summary.items()), highlight=False)
+    _print_speedups(r, con)
+    _print_expectations(r, con)
     for name, why in r["skipped"].items():
         con.print(f"skipped peer {name}: {why}", highlight=False)
 
@@ -110,3 +120,44 @@ def _p50(c: dict | None) -> str:
     if c is None:
         return "–"
     return f"short {c['new_tokens_min']}" if c["short"] else f"{c['p50_ms']:.1f}"
+
+
+def _print_speedups(r: dict, con) -> None:
+    from rich.table import Table
+
+    from t5compress.bench.report import decode_name
+
+    rows = r["speedups"]
+    if not rows or not any(v["speedup"] is not None for row in rows for v in row["variants"].values()):
+        con.print("speed-up vs peers: nothing to compare" + ("" if any(e["owner"] == "peer" for e in r["entries"])
+                                                            else " (no peer measured; --peers)"), highlight=False)
+        return
+    t = Table(title="speed-up vs the fastest peer of its precision (its p50 / ours)", title_justify="left")
+    t.add_column("variant", no_wrap=True)
+    for row in rows:
+        t.add_column(f"{row['threads']}t b{row['batch']} {decode_name(row['beams'])}", justify="right")
+    for name in rows[0]["variants"]:
+        xs = [row["variants"][name] for row in rows]
+        t.add_row(name, *[f"{x['speedup']:.2f}x {x['peer']['name']}" if x["speedup"] is not None else "–"
+                          for x in xs])
+    con.print(t)
+
+
+def _print_expectations(r: dict, con) -> None:
+    from t5compress.bench.expect import need
+
+    x = r.get("expectations")
+    if not x:
+        return
+    for key, ratio in x["asked"].items():
+        s = x["summary"][key]
+        if key == "size":
+            size = x["size"]
+            what = (f"not measured ({size['why']})" if size.get("status") == "not measured" else
+                    ", ".join(f"{n} {v['ratio']:.3f}x {v['status']}" for n, v in size["variants"].items()))
+        elif s["met"] + s["missed"] == 0:
+            what = f"not measured ({x['cells'][0]['results'][key]['why']})"
+        else:
+            what = (f"met in {s['met']} of {s['met'] + s['missed']} measured cells"
+                    + (f", {s['not_measured']} not measured" if s["not_measured"] else ""))
+        con.print(f"expect {need(key, ratio)}: {what}", highlight=False)

@@ -56,4 +56,6 @@ def quantize_summary(r: dict) -> str:
 def bench_summary(r: dict) -> str:
     entries = r.get("entries") or []
     failed = sum("error" in e for e in entries)
-    return f"{len(entries)} variants measured" + (f", {failed} failed" if failed else "") + " → report.md"
+    missed = len((r.get("expectations") or {}).get("missed") or [])
+    return (f"{len(entries)} variants measured" + (f", {failed} failed" if failed else "")
+            + (f", {missed} expectation(s) missed" if missed else "") + " → report.md")
