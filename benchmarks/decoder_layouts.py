@@ -34,8 +34,8 @@ def build(arch: str, root: Path) -> Path:
     """A random-weight model of `arch` exported with both decoder layouts."""
     import torch
 
-    from t5compress.models import create_model, save_model_dir
-    from t5compress.tokenization import byte_level
+    from t5compress.model.load import create_model, save_model_dir
+    from t5compress.model.tokenization import byte_level
 
     model_dir, export_dir = root / arch, root / f"{arch}-both"
     model = create_model(arch, vocab_size=32128)

@@ -53,8 +53,8 @@ def build(arch: str, root: Path, samples: int = 48) -> Shape:
     from t5compress.bench.inputs import generated_texts
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
-    from t5compress.models import create_model, save_model_dir
-    from t5compress.tokenization import byte_level
+    from t5compress.model.load import create_model, save_model_dir
+    from t5compress.model.tokenization import byte_level
 
     work = root / arch
     model_dir, export_dir = work / "model", work / "onnx"

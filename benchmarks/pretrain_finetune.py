@@ -37,12 +37,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     args = ap.parse_args()
 
-    from t5compress import artifacts, pretrain, training
+    from t5compress import artifacts, pretrain
     from t5compress.data import DataConfig
-    from t5compress.demo import make_examples, write_jsonl
-    from t5compress.models import load_tokenizer, save_model_dir
+    from t5compress.model.load import load_tokenizer, save_model_dir
     from t5compress.pretrain.toy import write_toy_corpus
-    from t5compress.trainer import TrainConfig
+    from t5compress.tasks import make_examples, write_jsonl
+    from t5compress.train import stage as training
+    from t5compress.train.loop import TrainConfig
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="pretrain-finetune-"))

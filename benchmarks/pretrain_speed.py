@@ -148,7 +148,7 @@ def main() -> None:
     from t5compress import pretrain
     from t5compress.pretrain.stage import corpus_of, new_model
     from t5compress.pretrain.toy import write_toy_corpus
-    from t5compress.trainer import TrainConfig
+    from t5compress.train.loop import TrainConfig
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="pretrain-speed-"))

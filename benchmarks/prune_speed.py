@@ -39,11 +39,11 @@ def build(root: Path, name: str, heads: float, ffn: float, decoder_layers: int |
 
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
-    from t5compress.models import create_model, save_model_dir
+    from t5compress.model.load import create_model, save_model_dir
+    from t5compress.model.tokenization import byte_level
     from t5compress.prune.importance import magnitude
     from t5compress.prune.measure import size
     from t5compress.prune.schedule import SCHEDULES, Targets, apply_plan
-    from t5compress.tokenization import byte_level
 
     model = create_model("t5-small", vocab_size=32128)
     with torch.no_grad():  # random init can repeat one token; a smaller embedding keeps the ops and varies output

@@ -48,12 +48,13 @@ def main() -> None:
     ap.add_argument("--no-fp32-more", action="store_true", help="skip the fp32 row with the extra training steps")
     args = ap.parse_args()
 
-    from t5compress import create, training
     from t5compress.data import DataConfig
-    from t5compress.demo import make_examples, write_jsonl
     from t5compress.export import stage as export
-    from t5compress.quantize import qat
-    from t5compress.trainer import TrainConfig
+    from t5compress.model import create
+    from t5compress.qat import stage as qat
+    from t5compress.tasks import make_examples, write_jsonl
+    from t5compress.train import stage as training
+    from t5compress.train.loop import TrainConfig
 
     out = args.out
     if not args.reuse:

@@ -50,10 +50,10 @@ def main() -> None:
     import torch
 
     from t5compress.export import stage as export
-    from t5compress.models import create_model, save_model_dir
-    from t5compress.quantize import fakequant as fq
-    from t5compress.quantize.scheme import FakeQuantConfig
-    from t5compress.tokenization import byte_level
+    from t5compress.model.load import create_model, save_model_dir
+    from t5compress.model.tokenization import byte_level
+    from t5compress.qat import fakequant as fq
+    from t5compress.qat.scheme import FakeQuantConfig
 
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)

@@ -17,8 +17,8 @@ def build_tiny_t5(path: Path, seed: int = 0, **overrides) -> Path:
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from t5compress.models import save_model_dir
-    from t5compress.tokenization import byte_level
+    from t5compress.model.load import save_model_dir
+    from t5compress.model.tokenization import byte_level
 
     tok = byte_level()
     kwargs = dict(vocab_size=len(tok), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
@@ -51,7 +51,7 @@ def tiny_gated_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_jsonl(tmp_path_factory) -> Path:
     """A few hundred examples of the demo task as JSON Lines."""
-    from t5compress.demo import make_examples, write_jsonl
+    from t5compress.tasks import make_examples, write_jsonl
 
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     write_jsonl(path, make_examples(240, seed=0))

@@ -1,8 +1,8 @@
 import pytest
 
-from t5compress.architectures import architecture, parse_overrides
 from t5compress.errors import ConfigError
-from t5compress.models import count_parameters, create_model
+from t5compress.model.architectures import architecture, parse_overrides
+from t5compress.model.load import count_parameters, create_model
 
 
 @pytest.mark.parametrize(

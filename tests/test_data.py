@@ -11,7 +11,7 @@ import torch
 
 from t5compress.data import DataConfig, Encoded, Example, batch_order, collate, encode, load_examples, load_splits
 from t5compress.errors import ConfigError, DataError
-from t5compress.tokenization import byte_level
+from t5compress.model.tokenization import byte_level
 
 FIELDS = DataConfig(source_field="document", target_field="summary")
 

@@ -20,7 +20,7 @@ from t5compress.export import ExportConfig, run
 from t5compress.export.graphs import graph_specs
 from t5compress.export.onnx import needs_external_data, save_onnx
 from t5compress.export.verify import CASES, greedy, make_batch, open_onnx
-from t5compress.models import load_model
+from t5compress.model.load import load_model
 from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, present_names
 
 torch.set_num_threads(1)
@@ -283,9 +283,9 @@ def test_a_real_mismatch_raises_export_error(relu_onnx, tmp_path):
 @pytest.mark.slow
 def test_flan_t5_small_shape_passes_by_default_where_an_absolute_tolerance_fails(tmp_path):
     """flan-t5-small's shape (random weights): logits ~100 put fp32 rounding above 1e-4 absolute, not relative."""
-    from t5compress.create import CreateConfig
-    from t5compress.create import run as create
     from t5compress.export.verify import verify
+    from t5compress.model.create import CreateConfig
+    from t5compress.model.create import run as create
 
     src = tmp_path / "flan"
     create(CreateConfig(arch="flan-t5-small", tokenizer="byte", overrides={"vocab_size": 32128}), src)

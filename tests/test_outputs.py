@@ -34,9 +34,9 @@ def _snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
     """A workspace holding what the stages read: a model dir, an export of it, a data file, a corpus, a recipe."""
-    from t5compress.demo import make_examples, write_jsonl
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
+    from t5compress.tasks import make_examples, write_jsonl
 
     root = tmp_path_factory.mktemp("ws")
     build_tiny_t5(root / "model")

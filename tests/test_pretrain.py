@@ -24,7 +24,7 @@ from t5compress.pretrain import (
 )
 from t5compress.pretrain.corpus import Corpus
 from t5compress.pretrain.toy import write_toy_corpus
-from t5compress.trainer import TrainConfig
+from t5compress.train.loop import TrainConfig
 
 TINY = dict(d_model=64, d_ff=256, d_kv=16, num_heads=4)
 
@@ -122,7 +122,7 @@ def test_pack_fills_blocks_exactly_in_stream_order():
 
 
 def test_adamwscale_scales_adams_step_by_the_parameters_rms():
-    from t5compress.optim import AdamWScale
+    from t5compress.train.optim import AdamWScale
 
     big = torch.nn.Parameter(torch.tensor([3.0, 4.0]))  # rms sqrt(12.5) = 3.5355
     tiny = torch.nn.Parameter(torch.tensor([1e-6, -1e-6]))  # rms below the 1e-3 floor
@@ -147,10 +147,10 @@ def test_pretraining_lowers_held_out_loss_and_the_dir_fine_tunes_and_exports(toy
     meta = json.loads((out / "t5compress.json").read_text())
     assert meta["stage"] == "pretrain" and meta["config"]["train"]["optimizer"] == "adamwscale"
 
-    from t5compress import training
     from t5compress.data import DataConfig
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
+    from t5compress.train import stage as training
 
     ft = training.run(str(out), training.FinetuneConfig(
         train_data=str(demo_jsonl), data=DataConfig(max_source_length=32, max_target_length=32),

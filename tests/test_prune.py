@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 from t5compress.cli import app
 from t5compress.data import DataConfig
 from t5compress.errors import ConfigError
-from t5compress.models import load_model
-from t5compress.prune import PruneConfig, run, units
+from t5compress.model import units
+from t5compress.model.load import load_model
+from t5compress.prune import PruneConfig, run
 from t5compress.prune.importance import SCORES
 from t5compress.prune.recover import RecoverConfig
 from t5compress.prune.schedule import SCHEDULES, Targets, apply_plan
@@ -50,7 +51,7 @@ def _zero_head(attn, h: int) -> None:
 
 
 def _zero_channels(ff, channels: slice) -> None:
-    ins, wo = units._ffn_linears(ff)
+    ins, wo = units.ffn_linears(ff)
     with torch.no_grad():
         for lin in ins:
             lin.weight[channels] = 0
@@ -77,9 +78,9 @@ def _batches() -> list[dict]:
 def test_zero_importance_heads_are_removed_bit_identically(tiny_model_dir, schedule):
     model = load_model(tiny_model_dir)
     for block in model.encoder.block:
-        _zero_head(units._self_attn(block), 1)
+        _zero_head(units.self_attn(block), 1)
     for block in model.decoder.block:
-        _zero_head(units._self_attn(block), 2)
+        _zero_head(units.self_attn(block), 2)
     _zero_head(units.cross_attn(model.decoder.block[0]), 3)
     _zero_head(units.cross_attn(model.decoder.block[1]), 0)
     batch = _inputs()
@@ -93,7 +94,7 @@ def test_zero_importance_heads_are_removed_bit_identically(tiny_model_dir, sched
     plan = _prune(model, "taylor", schedule, _batches(), encoder_heads=0.25, decoder_heads=0.25, decoder_cross=0.25)
     assert plan["encoder.heads"] == [[0, 2, 3]] * 2 and plan["decoder.heads"] == [[0, 1, 3]] * 2
     assert plan["decoder.cross"] == [[0, 1, 2], [1, 2, 3]]
-    assert units._self_attn(model.encoder.block[0]).q.weight.shape == (3 * D_KV, 32)
+    assert units.self_attn(model.encoder.block[0]).q.weight.shape == (3 * D_KV, 32)
     assert torch.equal(_logits(model, batch), want)
     assert units.is_plain(model)  # same heads in every layer of a stack: the bias table is sliced, a plain T5
 
@@ -101,9 +102,9 @@ def test_zero_importance_heads_are_removed_bit_identically(tiny_model_dir, sched
 def test_heads_chosen_per_layer_keep_their_own_bias_columns(tiny_model_dir, tmp_path):
     """global: layers keep different heads; each adds its own columns of the stack's one relative-bias table."""
     model = load_model(tiny_model_dir)
-    _zero_head(units._self_attn(model.encoder.block[0]), 1)
-    _zero_head(units._self_attn(model.encoder.block[1]), 3)
-    _zero_head(units._self_attn(model.decoder.block[0]), 0)
+    _zero_head(units.self_attn(model.encoder.block[0]), 1)
+    _zero_head(units.self_attn(model.encoder.block[1]), 3)
+    _zero_head(units.self_attn(model.decoder.block[0]), 0)
     _zero_head(units.cross_attn(model.decoder.block[1]), 2)
     _zero_head(units.cross_attn(model.decoder.block[1]), 1)
     batch = _inputs()
@@ -114,7 +115,7 @@ def test_heads_chosen_per_layer_keep_their_own_bias_columns(tiny_model_dir, tmp_
     assert torch.equal(_logits(model, batch), want)
     assert not units.is_plain(model)
     # The directory records per-layer sizes; t5compress rebuilds it exactly.
-    from t5compress.models import load_tokenizer, save_model_dir
+    from t5compress.model.load import load_tokenizer, save_model_dir
 
     save_model_dir(model, load_tokenizer(tiny_model_dir), tmp_path / "g")
     assert torch.equal(_logits(load_model(tmp_path / "g"), batch), want)
@@ -123,10 +124,10 @@ def test_heads_chosen_per_layer_keep_their_own_bias_columns(tiny_model_dir, tmp_
 def test_head_removal_at_every_length_stays_within_rounding(tiny_model_dir):
     model = load_model(tiny_model_dir)
     for block in model.encoder.block:
-        _zero_head(units._self_attn(block), 1)
+        _zero_head(units.self_attn(block), 1)
     pruned = copy.deepcopy(model)
     for block in pruned.encoder.block:
-        units.prune_heads(units._self_attn(block), [0, 2, 3])
+        units.prune_heads(units.self_attn(block), [0, 2, 3])
     units.sync_stack(pruned.encoder)
     for enc_len in range(1, 17):
         batch = _inputs(batch=3, enc_len=enc_len + 3)
@@ -156,12 +157,12 @@ def test_zero_importance_ffn_channels_are_removed_bit_identically(fixture, crite
 def test_identity_layers_are_dropped_bit_identically_and_block_0_hands_on_its_bias(tiny_model_dir, tmp_path):
     from transformers import T5ForConditionalGeneration
 
-    from t5compress.models import load_tokenizer, save_model_dir
+    from t5compress.model.load import load_tokenizer, save_model_dir
 
     model = load_model(tiny_model_dir)
     with torch.no_grad():  # zero output projections: block 0 of the encoder and block 1 of the decoder add nothing
         for block in (model.encoder.block[0], model.decoder.block[1]):
-            for lin in (units._self_attn(block).o, units.ffn(block).wo):
+            for lin in (units.self_attn(block).o, units.ffn(block).wo):
                 lin.weight.zero_()
             if units.cross_attn(block) is not None:
                 units.cross_attn(block).o.weight.zero_()
@@ -173,7 +174,7 @@ def test_identity_layers_are_dropped_bit_identically_and_block_0_hands_on_its_bi
         assert float(scores["encoder.blocks"][1]) > 0 and float(scores["decoder.blocks"][0]) > 0, name
     plan = _prune(model, "taylor", "uniform", _batches(), encoder_layers=1, decoder_layers=1)
     assert plan["encoder.blocks"] == [1] and plan["decoder.blocks"] == [0]
-    first = units._self_attn(model.encoder.block[0])
+    first = units.self_attn(model.encoder.block[0])
     assert first.has_relative_attention_bias and first.layer_idx == 0
     assert torch.equal(_logits(model, batch), want)
     save_model_dir(model, load_tokenizer(tiny_model_dir), tmp_path / "one-layer")
@@ -239,9 +240,9 @@ def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
     """A tiny T5 trained on the demo task to real but imperfect skill (rougeL ~20, loss ~1.5 here)."""
     from conftest import build_tiny_t5
 
-    from t5compress import training
     from t5compress.data import DataConfig
-    from t5compress.trainer import TrainConfig
+    from t5compress.train import stage as training
+    from t5compress.train.loop import TrainConfig
 
     root = tmp_path_factory.mktemp("trained")
     init = build_tiny_t5(root / "init", d_model=64, d_ff=128, d_kv=16)
@@ -254,7 +255,7 @@ def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
 
 def _recover(data: Path, distill: bool, steps: int = 80) -> RecoverConfig:
     from t5compress.data import DataConfig
-    from t5compress.trainer import TrainConfig
+    from t5compress.train.loop import TrainConfig
 
     train = TrainConfig(max_steps=steps, batch_size=16, lr=3e-3, eval_every=steps, eval_max_examples=24,
                         metric="loss")
@@ -336,8 +337,8 @@ def test_recover_without_a_teacher_is_refused(tiny_model_dir, demo_jsonl, tmp_pa
 
 
 def test_distillation_loss_is_cross_entropy_plus_kl_to_the_teacher(tiny_model_dir, tiny_gated_dir):
-    from t5compress.distill import DistillConfig, distill_loss
-    from t5compress.evaluation import token_loss
+    from t5compress.train.distill import DistillConfig, distill_loss
+    from t5compress.train.evaluation import token_loss
 
     student, batch = load_model(tiny_model_dir), _inputs()
     same = distill_loss(copy.deepcopy(student), DistillConfig(alpha=1.0, hidden_weight=1.0))
@@ -358,7 +359,7 @@ class _Killed(Exception):
 def test_recovery_resumes_where_an_uninterrupted_run_ends(tiny_model_dir, demo_jsonl, tmp_path):
     from safetensors.torch import load_file
 
-    from t5compress.trainer import TrainConfig
+    from t5compress.train.loop import TrainConfig
 
     train = TrainConfig(max_steps=6, batch_size=8, lr=1e-3, eval_every=3, save_every=2, eval_max_examples=8,
                         metric="loss")

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 from t5compress.data import DataConfig
 from t5compress.errors import ExportError, ModelError
 from t5compress.export import stage as export
-from t5compress.models import load_model
-from t5compress.quantize import fakequant as fq
-from t5compress.quantize import qat
-from t5compress.quantize.scheme import FakeQuantConfig
-from t5compress.trainer import TrainConfig
-from t5compress.training import FinetuneConfig
+from t5compress.model.load import load_model
+from t5compress.qat import fakequant as fq
+from t5compress.qat import stage as qat
+from t5compress.qat.scheme import FakeQuantConfig
+from t5compress.train.loop import TrainConfig
+from t5compress.train.stage import FinetuneConfig
 
 # Int8 graphs vs the fake-quant model they were written from: same integers and scales, only float order differs.
 RTOL = 1e-3  # of the logits' (encoder: hidden states') max |value|; the stage's default refusal threshold is 0.1
@@ -118,7 +118,7 @@ def test_qat_keeps_the_metric_and_the_dir_loads_as_plain_fp32(qat_run):
     saved = scales["encoder.block.0.layer.0.SelfAttention.q.act_scale"]
     assert float(attn.q.act.scale().detach()) == pytest.approx(float(saved))
     assert not (out.parent / "qat.partial").exists()
-    from t5compress.inspect import _metric_rows
+    from t5compress.info import _metric_rows
 
     rows = dict(_metric_rows(report))  # what `t5compress info` shows: fp32 and int8 before and after QAT
     assert rows["int8 after QAT"].startswith(f"loss {m['int8_qat']['loss']}")

@@ -201,7 +201,7 @@ def test_a_tiny_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, m
 
 
 def test_editing_a_data_file_reruns_the_stages_that_read_it(tmp_path):
-    from t5compress.demo import make_examples, write_jsonl
+    from t5compress.tasks import make_examples, write_jsonl
 
     train = tmp_path / "train.jsonl"
     write_jsonl(train, make_examples(60, seed=0))

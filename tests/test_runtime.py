@@ -43,8 +43,8 @@ def build_model(path: Path, seed: int = 0, **overrides) -> Path:
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from t5compress.models import save_model_dir
-    from t5compress.tokenization import byte_level
+    from t5compress.model.load import save_model_dir
+    from t5compress.model.tokenization import byte_level
 
     tok = byte_level()
     kwargs = dict(vocab_size=len(tok), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,

@@ -14,11 +14,11 @@ import torch
 from conftest import build_tiny_t5
 from safetensors.torch import load_file
 
-from t5compress import training
 from t5compress.data import DataConfig, encode, load_examples
-from t5compress.evaluation import evaluate
-from t5compress.models import load_model, load_tokenizer
-from t5compress.trainer import TrainConfig
+from t5compress.model.load import load_model, load_tokenizer
+from t5compress.train import stage as training
+from t5compress.train.evaluation import evaluate
+from t5compress.train.loop import TrainConfig
 
 
 def _cfg(data, **train) -> training.FinetuneConfig:
@@ -140,7 +140,7 @@ def test_adafactor_inverse_sqrt_label_smoothing_and_accumulation_train(tiny_gate
 
 
 def test_schedules_follow_their_formulas():
-    from t5compress.trainer import SCHEDULES
+    from t5compress.train.loop import SCHEDULES
 
     assert SCHEDULES["cosine"](0, 10, 110) == pytest.approx(0.1)
     assert SCHEDULES["cosine"](60, 10, 110) == pytest.approx(0.5)

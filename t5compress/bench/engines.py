@@ -55,8 +55,8 @@ def hf_generate(model, threads: int, settings: dict, extra: dict | None = None) 
 
 
 def load_pytorch(path: Path, threads: int, settings: dict) -> Generate:
-    from t5compress.evaluation import generate_kwargs
-    from t5compress.models import load_model
+    from t5compress.model.load import load_model
+    from t5compress.train.evaluation import generate_kwargs
 
     model = load_model(path)  # generate_kwargs: a dynamic_full cache, el2's decoder depth differs from its encoder's
     return hf_generate(model, threads, settings, generate_kwargs(model))

@@ -86,7 +86,7 @@ def onnx_files(path: Path, graphs: list[str]) -> list[str]:
 
 
 def _pytorch(path: Path) -> dict | None:
-    from t5compress.models import check_model_dir
+    from t5compress.model.load import check_model_dir
 
     if not (path / "config.json").is_file() or not ((path / "model.safetensors").is_file()
                                                     or (path / "model.safetensors.index.json").is_file()):

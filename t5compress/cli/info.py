@@ -17,7 +17,7 @@ def info(
     """Show what a model or export directory holds: architecture, size, lineage and reported metrics."""
     import json
 
-    from t5compress.inspect import inspect_dir, render
+    from t5compress.info import inspect_dir, render
 
     data = inspect_dir(path)
     if json_out:

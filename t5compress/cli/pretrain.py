@@ -15,7 +15,7 @@ from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.pretrain.stage import NANOT5
 from t5compress.pretrain.stage import PretrainConfig as P
-from t5compress.trainer import TrainConfig as T
+from t5compress.train.loop import TrainConfig as T
 
 # The trainer's options that matter for pre-training, with nanoT5's defaults.
 _TRAIN_FIELDS = ("max_steps", "batch_size", "grad_accum", "optimizer", "lr", "weight_decay", "schedule",
@@ -53,7 +53,7 @@ def pretrain(
     Checkpoints of an unfinished run are kept in OUT.partial/; rerun the same command with --resume to continue.
     OUT is a normal model directory: fine-tune it with `t5compress train`, then prune, export and quantize it.
     """
-    from t5compress.architectures import parse_overrides
+    from t5compress.model.architectures import parse_overrides
     from t5compress.pretrain.stage import run
 
     resume, force = opts.pop("resume"), opts.pop("force")

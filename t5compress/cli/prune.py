@@ -10,10 +10,10 @@ import typer
 from t5compress.cli.common import Force, ModelDir, OutDir, command, console
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
-from t5compress.distill import DistillConfig as K
 from t5compress.prune.recover import RecoverConfig as R
 from t5compress.prune.stage import PruneConfig as P
-from t5compress.trainer import TrainConfig as T
+from t5compress.train.distill import DistillConfig as K
+from t5compress.train.loop import TrainConfig as T
 
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted recovery from its checkpoint.")]
 Distill = Annotated[bool, typer.Option("--distill", help=_h(R, "distill"))]

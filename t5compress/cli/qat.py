@@ -11,7 +11,7 @@ from t5compress.cli.common import ModelDir, OutDir, command, console
 from t5compress.cli.train import DATA_OPTIONS, RUN_OPTIONS, TRAIN_OPTIONS, TrainData, finetune_config, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
-from t5compress.quantize.scheme import FakeQuantConfig as Q
+from t5compress.qat.scheme import FakeQuantConfig as Q
 
 
 @command
@@ -33,7 +33,7 @@ def qat(
     scales). OUT is a plain fp32 model dir with the scales beside it; `t5compress export OUT DIR --onnx` writes int8
     Q/DQ graphs with them. Takes every option of train; --resume continues after a kill.
     """
-    from t5compress.quantize import qat as stage
+    from t5compress.qat import stage
 
     resume, force = opts.pop("resume"), opts.pop("force")
     quant = Q(act_scale=act_scale, ema_momentum=ema_momentum, calib_batches=calib_batches, keep_wo=keep_wo,

@@ -13,7 +13,7 @@ from t5compress.cli.common import Force, ModelDir, OutDir, command, console
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.data import DataConfig as D
-from t5compress.trainer import TrainConfig as T
+from t5compress.train.loop import TrainConfig as T
 
 # Data options, shared by create (tokenizer text) and train.
 SourceField = Annotated[str, typer.Option(help=_h(D, "source_field"))]
@@ -37,8 +37,8 @@ def create(
     force: Force = False,
 ) -> None:
     """Create a new, randomly initialised T5 of a named architecture, with a tokenizer, as a model directory."""
-    from t5compress import create as stage
-    from t5compress.architectures import parse_overrides
+    from t5compress.model import create as stage
+    from t5compress.model.architectures import parse_overrides
 
     cfg = stage.CreateConfig(
         arch=arch, tokenizer=tokenizer, text=text, vocab_size=vocab_size, overrides=parse_overrides(override or []),
@@ -87,7 +87,7 @@ def with_options(*groups: list[inspect.Parameter]):
 
 def finetune_config(data: str, opts: dict):
     """The FinetuneConfig of a command's DATA argument and its shared options (pops them from `opts`)."""
-    from t5compress.training import FinetuneConfig
+    from t5compress.train.stage import FinetuneConfig
 
     def take(cls):
         return cls(**{f.name: opts.pop(f.name) for f in dataclasses.fields(cls) if f.name in opts})
@@ -106,7 +106,7 @@ def train(model: ModelDir, data: TrainData, out: OutDir, **opts) -> None:
     Checkpoints of an unfinished run are kept in OUT.partial/; after a crash or kill, rerun the same command with
     --resume. On several GPUs: accelerate launch --multi_gpu -m t5compress.cli train ...
     """
-    from t5compress import training
+    from t5compress.train import stage as training
 
     resume, force = opts.pop("resume"), opts.pop("force")
     cfg = finetune_config(data, opts)

@@ -167,7 +167,7 @@ def _mask(batch: int, length: int) -> torch.Tensor:
 
 
 def _cache(config, s: DummySizes) -> list[torch.Tensor]:
-    from t5compress.prune.layout import decoder_heads  # per-layer head counts of a non-uniformly pruned model
+    from t5compress.model.layout import decoder_heads  # per-layer head counts of a non-uniformly pruned model
 
     shapes = []
     for self_heads, cross_heads in decoder_heads(config):

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from t5compress import artifacts
+from t5compress import artifacts, kinds
 from t5compress.config import choose, option, require
 from t5compress.errors import ModelError
 from t5compress.export.onnx import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD, OPT_LEVELS, USE_CACHE_BRANCH
@@ -153,13 +153,9 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
     out = artifacts.check_output(out, force, inputs=[src, cfg])  # before loading anything heavy
     model, tokenizer = _load(src)
     exporter = EXPORTERS[cfg.format]
-    from t5compress.quantize.scheme import is_qat_dir
-
-    if is_qat_dir(src):  # learned int8 scales beside the weights: Q/DQ graphs, checked against the fake-quant model
-        from t5compress.quantize.fakequant import load_fake_quant
-        from t5compress.quantize.qdq import export_qdq_dir
-
-        model, exporter = load_fake_quant(src, model), export_qdq_dir
+    hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
+    if hook is not None:
+        model, exporter = hook(src, model)
     specs = graph_specs(model.config)
     started = time.perf_counter()
     with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
@@ -172,7 +168,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force
         if DECODER_MERGED in cfg.graphs:
             graphs[DECODER_MERGED] = _merged_io(specs)
         artifacts.write_json(tmp / MANIFEST_FILE, graphs)
-        from t5compress.models import describe
+        from t5compress.model.load import describe
 
         report = {
             "stage": "export",
@@ -193,7 +189,7 @@ def _load(src: str | os.PathLike):
     """The fp32 model and a fast tokenizer (an export dir must carry tokenizer.json for the torch-free runtime)."""
     import torch
 
-    from t5compress.models import check_model_dir, is_local, load_model, load_tokenizer
+    from t5compress.model.load import check_model_dir, is_local, load_model, load_tokenizer
     from t5compress.runtime.text import BYTE_TOKENIZERS
 
     if is_local(src):

@@ -5,7 +5,7 @@
 
 Layers, each public: `spans` (T5's length arithmetic, span masks and the batch collator), `corpus` (streamed
 documents from text, JSON Lines, folders or datasets), `stream` (packed, shuffled, prefetched training batches and
-the held-out loss), `stage` (the config and `run`). The training loop is the shared `t5compress.trainer`.
+the held-out loss), `stage` (the config and `run`). The training loop is the shared `t5compress.train.loop`.
 """
 
 from t5compress.pretrain.spans import SpanCorruption, apply_mask, compute_input_and_target_lengths, noise_mask, pack

@@ -18,12 +18,12 @@ from typing import Any
 
 from t5compress import artifacts
 from t5compress.config import option, require
-from t5compress.models import describe, is_local, save_model_dir
+from t5compress.model.load import describe, is_local, save_model_dir
+from t5compress.model.tokenization import TOKENIZERS
 from t5compress.pretrain.corpus import Corpus
 from t5compress.pretrain.spans import SpanCorruption, compute_input_and_target_lengths
 from t5compress.pretrain.stream import PackedStream, SpanEval, span_loss
-from t5compress.tokenization import TOKENIZERS
-from t5compress.trainer import TrainConfig, fit
+from t5compress.train.loop import TrainConfig, fit
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ def corpus_of(src: str | Path, cfg: PretrainConfig) -> Corpus:
 
 def new_model(corpus: Corpus, cfg: PretrainConfig):
     """A tokenizer trained on the corpus's training documents (unigram) or bytes, and a fresh model of `cfg.model`."""
-    from t5compress.architectures import architecture
-    from t5compress.models import create_model
-    from t5compress.tokenization import new_tokenizer
+    from t5compress.model.architectures import architecture
+    from t5compress.model.load import create_model
+    from t5compress.model.tokenization import new_tokenizer
 
     architecture(cfg.model, cfg.overrides)  # fail on a bad name before reading the corpus
     texts = itertools.islice(corpus.split(train=True), cfg.tokenizer_docs)
@@ -95,7 +95,7 @@ def new_model(corpus: Corpus, cfg: PretrainConfig):
 
 def _model_and_tokenizer(corpus: Corpus, cfg: PretrainConfig, work: Path, resume: bool):
     """New model: built once, its tokenizer kept in the work dir so a resumed run tokenizes the same way."""
-    from t5compress.models import create_model, load_model, load_tokenizer
+    from t5compress.model.load import create_model, load_model, load_tokenizer
 
     if not cfg.is_new:
         return load_model(cfg.model), load_tokenizer(cfg.model)
@@ -146,15 +146,15 @@ def run(
     progress: bool = True, on_step=None,
 ) -> dict:
     """Pre-train on the corpus `src` (file, folder or dataset) and write the model directory `out`; the report."""
-    from t5compress.architectures import architecture
-    from t5compress.training import _prepare_workdir
+    from t5compress.model.architectures import architecture
+    from t5compress.train.checkpoint import prepare_workdir
 
     out = artifacts.check_output(out, force, inputs=[src, cfg])
     corpus = corpus_of(src, cfg)
     next(iter(corpus.documents()))  # fail on a missing, empty or malformed corpus before any other work
     if cfg.is_new:
         architecture(cfg.model, cfg.overrides)  # a bad name fails before anything is written
-    work = _prepare_workdir(out, cfg, force, resume)
+    work = prepare_workdir(out, cfg, force, resume)
     try:
         model, tokenizer = _model_and_tokenizer(corpus, cfg, work, resume)
         collator = SpanCorruption.for_tokenizer(tokenizer, inputs_length=cfg.inputs_length,
@@ -177,7 +177,7 @@ def run(
     summary = fit(model, tokenizer, stream, evalset, train, work, resume, loss_fn=span_loss, progress=progress,
                   on_step=on_step)
     _set_dropout(model, saved_rate)
-    from t5compress.checkpoint import load_best
+    from t5compress.train.checkpoint import load_best
 
     best = load_best(work, model)
     after = evalset.evaluate(model)

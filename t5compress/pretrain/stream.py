@@ -1,6 +1,6 @@
 """Batches for the trainer from a streamed corpus: tokenize, pack, shuffle in a buffer, corrupt spans, prefetch.
 
-`PackedStream` is a `t5compress.trainer.BatchStream`: deterministic in (seed, epoch, batch index), so a resumed run
+`PackedStream` is a `t5compress.train.loop.BatchStream`: deterministic in (seed, epoch, batch index), so a resumed run
 sees the same batches it would have seen. The span masks come from a generator seeded by (seed, epoch, batch), so
 skipping batches on resume costs only reading and packing, not corrupting. A background thread builds the next
 batches while the model trains (the tokenizer and numpy release the GIL for most of that work).

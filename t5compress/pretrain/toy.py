@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from t5compress.demo import _DIGITS, _WORDS
+from t5compress.tasks import DIGITS, WORDS
 
 _TEMPLATES = (
     "the number {num} is spelled {spelled} .",
@@ -30,11 +30,11 @@ def toy_documents(n: int, seed: int = 0) -> list[str]:
         sentences = []
         for _ in range(rng.randint(2, 5)):
             digits = rng.sample(range(10), rng.randint(2, 7))
-            words = rng.sample(_WORDS, rng.randint(2, 6))
-            w1, w2, w3 = rng.sample(_WORDS, 3)
+            words = rng.sample(WORDS, rng.randint(2, 6))
+            w1, w2, w3 = rng.sample(WORDS, 3)
             sentences.append(rng.choice(_TEMPLATES).format(
-                num="".join(map(str, digits)), spelled=" ".join(_DIGITS[d] for d in digits),
-                sorted_digits=" ".join(_DIGITS[d] for d in sorted(digits)), words=" ".join(words),
+                num="".join(map(str, digits)), spelled=" ".join(DIGITS[d] for d in digits),
+                sorted_digits=" ".join(DIGITS[d] for d in sorted(digits)), words=" ".join(words),
                 sorted_words=" ".join(sorted(words)), w1=w1, w2=w2, w3=w3))
         docs.append(" ".join(sentences))
     return docs

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from t5compress.prune import units
+from t5compress.model import units
 
 Scores = dict[str, list[torch.Tensor]]
 GROUPS = ("encoder.heads", "decoder.heads", "decoder.cross", "encoder.ffn", "decoder.ffn", "encoder.blocks",
@@ -32,7 +32,7 @@ def units_of(model) -> dict[str, list[tuple[str, nn.Module]]]:
     out: dict[str, list[tuple[str, nn.Module]]] = {g: [] for g in GROUPS}
     for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
         for b in stack.block:
-            out[f"{name}.heads"].append(("heads", units._self_attn(b)))
+            out[f"{name}.heads"].append(("heads", units.self_attn(b)))
             cross = units.cross_attn(b)
             if cross is not None:
                 out["decoder.cross"].append(("heads", cross))
@@ -98,7 +98,7 @@ def _gates(model, on_gate: Callable[[str, int, torch.Tensor, torch.Tensor], None
 
 
 def _loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from t5compress.evaluation import token_loss
+    from t5compress.train.evaluation import token_loss
 
     return token_loss(model, batch)
 
@@ -164,11 +164,11 @@ def magnitude(model, batches: Iterable[dict[str, torch.Tensor]] | None = None) -
                 cols = m.o.weight.unflatten(1, (m.n_heads, d)).pow(2).sum((0, 2))
                 out[group].append((sum(rows) + cols).sqrt().cpu())
             elif kind == "ffn":
-                ins, wo = units._ffn_linears(m)
+                ins, wo = units.ffn_linears(m)
                 sq = sum(w.weight.pow(2).sum(1) for w in ins) + wo.weight.pow(2).sum(0)
                 out[group].append(sq.sqrt().cpu())
             else:
-                projections = [units._self_attn(m).o, units.ffn(m).wo]
+                projections = [units.self_attn(m).o, units.ffn(m).wo]
                 cross = units.cross_attn(m)
                 if cross is not None:
                     projections.append(cross.o)

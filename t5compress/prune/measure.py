@@ -16,7 +16,7 @@ def block_parameters(model) -> int:
 
 
 def size(model) -> dict:
-    from t5compress.models import count_parameters
+    from t5compress.model.load import count_parameters
 
     unique = {id(p): p for p in model.parameters()}.values()
     return {"parameters": count_parameters(model), "block_parameters": block_parameters(model),
@@ -31,7 +31,7 @@ def latency_ms(models: list, tokenizer, examples: list[Example], cfg: DataConfig
     The models take turns on every example (after one warm-up call each), so that a load change on a shared
     machine hits them alike; before/after numbers measured minutes apart are not comparable.
     """
-    from t5compress.evaluation import generate_kwargs
+    from t5compress.train.evaluation import generate_kwargs
 
     if not examples:
         return [None] * len(models)
@@ -51,7 +51,7 @@ def latency_ms(models: list, tokenizer, examples: list[Example], cfg: DataConfig
 
 def measure_eval(model, tokenizer, examples: list[Example], cfg: DataConfig, batch_size: int = 32) -> dict:
     """Loss, exact match, ROUGE-L and BLEU on `examples` (samples dropped)."""
-    from t5compress.evaluation import evaluate
+    from t5compress.train.evaluation import evaluate
 
     enc = encode(examples, tokenizer, cfg)
     result = evaluate(model, tokenizer, examples, enc, batch_size, max(len(x) for x in enc.labels))

@@ -17,9 +17,9 @@ from pathlib import Path
 from t5compress import artifacts
 from t5compress.config import option, require
 from t5compress.data import DataConfig, encode, load_splits
-from t5compress.distill import DistillConfig
 from t5compress.errors import ConfigError
-from t5compress.trainer import EvalSet, TrainConfig
+from t5compress.train.distill import DistillConfig
+from t5compress.train.loop import EvalSet, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class RecoverConfig:
 def recover_model(model, tokenizer, teacher, cfg: RecoverConfig, work: Path, resume: bool = False,
                   progress: bool = True, on_step=None) -> dict:
     """Fine-tune `model` in place (distilling from `teacher` when cfg.distill); keeps the best checkpoint."""
-    from t5compress.checkpoint import load_best
-    from t5compress.distill import distill_loss
-    from t5compress.trainer import fit
+    from t5compress.train.checkpoint import load_best
+    from t5compress.train.distill import distill_loss
+    from t5compress.train.loop import fit
 
     train_ex, eval_ex, stats = load_splits(cfg.data, cfg.eval_data, cfg.data_cfg)
     eval_ex = eval_ex[: cfg.train.eval_max_examples]
@@ -72,14 +72,14 @@ def teacher_of(src: str | Path, cfg: RecoverConfig) -> str:
 def run(src: str | Path, cfg: RecoverConfig, out: str | Path, force: bool = False, resume: bool = False,
         progress: bool = True, on_step=None) -> dict:
     """Recover the pruned model `src` into `out`; the report has the metric before and after."""
-    from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
+    from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
     from t5compress.prune.measure import measure_eval
-    from t5compress.training import _prepare_workdir
+    from t5compress.train.checkpoint import prepare_workdir
 
     out = artifacts.check_output(out, force, inputs=[src, cfg])
     model, tokenizer = load_model(src), load_tokenizer(src)
     teacher = load_model(teacher_of(src, cfg)) if cfg.distill else None
-    work = _prepare_workdir(out, cfg, force, resume)
+    work = prepare_workdir(out, cfg, force, resume)
     _, eval_ex, _ = load_splits(cfg.data, cfg.eval_data, cfg.data_cfg)
     eval_ex = eval_ex[: cfg.train.eval_max_examples]
     before = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from t5compress.errors import ConfigError
-from t5compress.prune import layout, units
+from t5compress.model import layout, units
 from t5compress.prune.importance import Scores, units_of
 
 Plan = dict[str, list]

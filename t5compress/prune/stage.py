@@ -93,12 +93,28 @@ def _snapshot(model, tokenizer, eval_ex, cfg: PruneConfig) -> dict:
     return {**measure.size(model), "eval": measure.measure_eval(model, tokenizer, eval_ex, cfg.data)}
 
 
+def _prune(model, tokenizer, calib_ex, cfg: PruneConfig, targets, progress: bool):
+    """Score the units on the calibration batches, plan what to keep, and shrink `model` in place; the plan."""
+    from t5compress.prune import schedule
+
+    batches = calibration_batches(model, tokenizer, calib_ex, cfg)
+    if progress:
+        from rich.progress import track
+
+        batches = track(batches, description=f"scoring ({cfg.criterion})", transient=True)
+    scores = SCORES[cfg.criterion](model, batches)
+    plan = SCHEDULES[cfg.schedule](model, scores, targets)
+    schedule.apply_plan(model, plan)
+    return plan
+
+
 @artifacts.claims_output
 def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force: bool = False,
         resume: bool = False, progress: bool = True, on_step=None) -> dict:
     """Prune `src` into `out` as `cfg` says (recovering when `cfg.recover`); returns the report."""
-    from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
-    from t5compress.prune import layout, measure, schedule, units
+    from t5compress.model import layout, units
+    from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
+    from t5compress.prune import measure, schedule
 
     if resume and cfg.recover is None:
         raise ConfigError("resume: only a recovery can be resumed; give the same --recover-data as the first run")
@@ -113,37 +129,21 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force:
     SCHEDULES[cfg.schedule](model, magnitude(model), targets)  # rejects impossible ratios before any heavy work
     work = None
     if cfg.recover is not None:
-        from t5compress.training import _prepare_workdir
+        from t5compress.train.checkpoint import prepare_workdir
 
-        work = _prepare_workdir(out, cfg, force, resume)
+        work = prepare_workdir(out, cfg, force, resume)
     started = time.perf_counter()
     before = _snapshot(model, tokenizer, eval_ex, cfg)
     unpruned = copy.deepcopy(model) if cfg.latency_examples or (cfg.recover and cfg.recover.distill) else None
-    batches = calibration_batches(model, tokenizer, calib_ex, cfg)
-    if progress:
-        from rich.progress import track
-
-        batches = track(batches, description=f"scoring ({cfg.criterion})", transient=True)
-    scores = SCORES[cfg.criterion](model, batches)
-    plan = SCHEDULES[cfg.schedule](model, scores, targets)
-    schedule.apply_plan(model, plan)
+    plan = _prune(model, tokenizer, calib_ex, cfg, targets, progress)
     pruned = _snapshot(model, tokenizer, eval_ex, cfg)
     before["latency_ms"], pruned["latency_ms"] = measure.latency_ms(
         [unpruned, model], tokenizer, lat_ex, cfg.data, cfg.latency_new_tokens)
     log.info("pruned: %d -> %d parameters", before["parameters"], pruned["parameters"])
     report = {
-        "stage": "prune",
-        "criterion": cfg.criterion,
-        "schedule": cfg.schedule,
-        "targets": targets.ratios,
-        "plain": units.is_plain(model),
-        "kept": schedule.summary(plan),
-        "model": describe(model),
-        "data": data_stats,
-        "before": before,
-        "after_pruning": pruned,
-        "after_recovery": None,
-        "recovery": None,
+        "stage": "prune", "criterion": cfg.criterion, "schedule": cfg.schedule, "targets": targets.ratios,
+        "plain": units.is_plain(model), "kept": schedule.summary(plan), "model": describe(model), "data": data_stats,
+        "before": before, "after_pruning": pruned, "after_recovery": None, "recovery": None,
     }
     if cfg.recover is not None:
         from t5compress.prune.recover import recover_model

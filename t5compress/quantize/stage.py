@@ -24,11 +24,12 @@ from t5compress.cpu import FULL_WEIGHT_MAX, WEIGHT_RANGES, weight_max
 from t5compress.errors import ModelError, QuantizeError, first_line
 from t5compress.names import DECODER_MERGED, ENCODER, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
+from t5compress.quantize.sources import KEEP_AUTO, drive_texts, is_gated, plan_for, smoothed, untied
 
 log = logging.getLogger(__name__)
 
 MODES = ("static", "dynamic")
-KEEP_AUTO, KEEP_NONE = "auto", "none"
+
 
 
 @dataclass(frozen=True)
@@ -173,18 +174,18 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         work = Path(scratch)
         sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
         if cfg.embeddings:
-            sources = {g: _untied(p, work) for g, p in sources.items()}
+            sources = {g: untied(p, work) for g, p in sources.items()}
         smoothing = None
         if cfg.smooth_alpha > 0:
-            sources, smoothing = _smooth(src, sources, cfg, texts, work, progress)
-        gated = _is_gated(src)
+            sources, smoothing = smoothed(src, sources, cfg, texts, work, progress)
+        gated = is_gated(src)
         plans = {g: plan_for(sources[g], cfg, gated) for g in GRAPHS}
         feeds: dict[str, int] = {}
         reduce = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
         if cfg.mode == "static":
             calibrators = {g: StaticGraph(sources[g], plans[g], cfg.method, work, cfg.percentile) for g in GRAPHS}
             fp32 = load_runtime(src, threads=cfg.threads)
-            feeds = _drive(fp32, texts, {g: [c] for g, c in calibrators.items()}, cfg, progress, "calibrating")
+            feeds = drive_texts(fp32, texts, {g: [c] for g, c in calibrators.items()}, cfg, progress, "calibrating")
             for g in GRAPHS:
                 calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce)
         else:
@@ -195,73 +196,6 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
     if smoothing:
         out["smooth_quant"] = smoothing
     return out
-
-
-def _untied(path: Path, work: Path) -> Path:
-    from t5compress.quantize.graphs import untie_embeddings
-
-    dst = work / f"{path.stem}.untied{ONNX_SUFFIX}"
-    return dst if untie_embeddings(path, dst) else path
-
-
-def plan_for(path: Path, cfg: QuantizeConfig, gated: bool):
-    """The nodes of one graph to quantize and to keep fp32 (see `quantize.graphs`)."""
-    import onnx
-
-    from t5compress.quantize.graphs import embedding_nodes, ffn_output_nodes, linear_nodes, matching
-    from t5compress.quantize.methods import Plan
-
-    model = onnx.load(str(path), load_external_data=False)
-    linear_ops = tuple(t for t in cfg.op_types if t in ("MatMul", "Gemm"))
-    nodes = linear_nodes(model, linear_ops) if linear_ops else []
-    nodes += [n.name for n in model.graph.node if n.op_type in cfg.op_types and n.op_type not in ("MatMul", "Gemm")]
-    op_types = list(cfg.op_types)
-    if cfg.embeddings:
-        nodes += [n for n in embedding_nodes(model) if n not in nodes]
-        op_types += ["Gather"] if "Gather" not in op_types else []
-    if cfg.keep_fp32 == KEEP_AUTO:
-        keep = ffn_output_nodes(nodes) if gated and cfg.smooth_alpha == 0 else []
-    elif cfg.keep_fp32 == KEEP_NONE:
-        keep = []
-    else:
-        keep = matching(nodes, tuple(p.strip() for p in cfg.keep_fp32.split(",") if p.strip()))
-    return Plan(tuple(n for n in nodes if n not in keep), tuple(keep), tuple(op_types))
-
-
-def _is_gated(export_dir: Path) -> bool:
-    config = artifacts.read_json(export_dir / "config.json") or {}
-    return str(config.get("feed_forward_proj", "relu")).startswith("gated")
-
-
-def _smooth(src: Path, sources: dict[str, Path], cfg: QuantizeConfig, texts: list[str], work: Path, progress: bool):
-    """Measure `wo` input channels on the calibration texts, then write rescaled fp32 graphs into `work`."""
-    import onnx
-
-    from t5compress.quantize.smooth import ChannelMax, ffn_pairs, smooth
-    from t5compress.runtime import load_runtime
-
-    pairs = {g: ffn_pairs(onnx.load(str(p))) for g, p in sources.items()}
-    meters = {g: ChannelMax(sources[g], pairs[g], work) for g in GRAPHS if pairs[g]}
-    fp32 = load_runtime(src, threads=cfg.threads)
-    _drive(fp32, texts, {g: [m] for g, m in meters.items()}, cfg, progress, "measuring wo inputs")
-    smoothed, summary = dict(sources), {}
-    for g, meter in meters.items():
-        smoothed[g] = work / f"{g}.smoothed{ONNX_SUFFIX}"
-        summary[g] = smooth(sources[g], smoothed[g], pairs[g], meter.amax, cfg.smooth_alpha)
-    return smoothed, summary
-
-
-def _drive(runtime, texts: list[str], sinks: dict, cfg: QuantizeConfig, progress: bool, what: str) -> dict[str, int]:
-    from t5compress.quantize.calibrate import drive
-
-    if not progress:
-        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
-        task = bar.add_task(what, total=len(texts))
-        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens,
-                     progress=lambda n: bar.advance(task, n))
 
 
 def _sizes(src: Path, out: Path) -> dict:

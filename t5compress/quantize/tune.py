@@ -169,7 +169,7 @@ class Pipeline:
 def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = True) -> dict:
     """Tune and write the three int8 graphs into `tmp`; returns the `graphs` part of the quantize report."""
     from t5compress.quantize.methods import scratch_dir
-    from t5compress.quantize.stage import _drive, _is_gated, _smooth, _untied
+    from t5compress.quantize.sources import drive_texts, is_gated, smoothed, untied
 
     _onc()
     if not evalset:
@@ -182,7 +182,7 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     steps = math.ceil(len(texts) / cfg.batch_size) * max(cfg.max_new_tokens - 1, 1)
     recorders = {ENCODER: Recorder(), DECODER: Recorder(), DECODER_WITH_PAST: Recorder(math.ceil(steps / MAX_FEEDS))}
     sinks = {g: [r] for g, r in recorders.items()}
-    feeds = _drive(pipe.runtime, texts, sinks, cfg, progress, "recording calibration feeds")
+    feeds = drive_texts(pipe.runtime, texts, sinks, cfg, progress, "recording calibration feeds")
     report: dict = {}
     trials: list[dict] = []
     # Its INFO lines per trial are reported here instead; transformers warns each time it reads our config.json.
@@ -194,14 +194,14 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
         with scratch_dir(tmp.parent) as scratch, _status(progress) as status:
             sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
             if cfg.embeddings:  # the same untied, smoothed fp32 graphs as untuned static int8 starts from
-                sources = {g: _untied(p, Path(scratch)) for g, p in sources.items()}
+                sources = {g: untied(p, Path(scratch)) for g, p in sources.items()}
             if cfg.smooth_alpha > 0:
-                sources, report["smooth_quant"] = _smooth(src, sources, cfg, texts, Path(scratch), progress)
+                sources, report["smooth_quant"] = smoothed(src, sources, cfg, texts, Path(scratch), progress)
             for g in TUNE_ORDER:
                 dst = tmp / f"{g}{ONNX_SUFFIX}"
                 status(f"tuning {g}")
                 report[g] = tune_graph(g, sources[g], dst, cfg, pipe, goal, recorders[g].feeds, trials, status,
-                                       gated=_is_gated(src))
+                                       gated=is_gated(src))
                 report[g]["seen_feeds"] = feeds[g]
                 pipe.use(g, dst)
     finally:
@@ -218,7 +218,7 @@ def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, 
     Appends one record per trial to `trials` and shows each result through `status(text)`."""
     import onnxruntime as ort
 
-    from t5compress.quantize.stage import plan_for
+    from t5compress.quantize.sources import plan_for
 
     tuning, config, _ = _onc()
     plan = plan_for(path, cfg, gated)

@@ -91,7 +91,7 @@ def data_files(spec: DataSpec, out: Path) -> tuple[str, str | None]:
 
 
 def _run_data(spec: DataSpec, inputs: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.demo import make_examples, write_jsonl
+    from t5compress.tasks import make_examples, write_jsonl
 
     with artifacts.staged_output(out, force=True) as tmp:
         if spec.generate:
@@ -115,13 +115,13 @@ class LoadSpec:
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model", "give a hub id or a model directory")
-        from t5compress.models import is_local
+        from t5compress.model.load import is_local
 
         require(not is_local(self.model) or Path(self.model).is_dir(), "model", f"'{self.model}' is not a directory")
 
 
 def _run_load(spec: LoadSpec, inputs: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
+    from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
 
     model, tokenizer = load_model(spec.model), load_tokenizer(spec.model)
     report = {"stage": "load", "source": spec.model, "model": describe(model)}
@@ -141,8 +141,8 @@ def _defaults(settings: dict, **values: Any) -> dict:
 
 
 def _build_create(where: str, s: dict, i: Inputs):
-    from t5compress.create import CreateConfig
     from t5compress.data import DataConfig
+    from t5compress.model.create import CreateConfig
 
     text = i.train if s.get("tokenizer", "unigram") == "unigram" else None
     return schema.build(where, CreateConfig, _defaults(s, text=text), {"data": DataConfig})
@@ -154,18 +154,18 @@ def _finetune(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
 
 def _build_train(where: str, s: dict, i: Inputs):
     from t5compress.data import DataConfig
-    from t5compress.trainer import TrainConfig
-    from t5compress.training import FinetuneConfig
+    from t5compress.train.loop import TrainConfig
+    from t5compress.train.stage import FinetuneConfig
 
     return _finetune(where, s, i, FinetuneConfig, {"data": DataConfig, "train": TrainConfig})
 
 
 def _build_qat(where: str, s: dict, i: Inputs):
     from t5compress.data import DataConfig
-    from t5compress.quantize.qat import QatConfig
-    from t5compress.quantize.scheme import FakeQuantConfig
-    from t5compress.trainer import TrainConfig
-    from t5compress.training import FinetuneConfig
+    from t5compress.qat.scheme import FakeQuantConfig
+    from t5compress.qat.stage import QatConfig
+    from t5compress.train.loop import TrainConfig
+    from t5compress.train.stage import FinetuneConfig
 
     flatten = {"finetune": (FinetuneConfig, {"data": DataConfig, "train": TrainConfig}), "quant": FakeQuantConfig}
     return _finetune(where, s, i, QatConfig, flatten)
@@ -173,8 +173,8 @@ def _build_qat(where: str, s: dict, i: Inputs):
 
 def _recover_flatten() -> dict:
     from t5compress.data import DataConfig
-    from t5compress.distill import DistillConfig
-    from t5compress.trainer import TrainConfig
+    from t5compress.train.distill import DistillConfig
+    from t5compress.train.loop import TrainConfig
 
     return {"kd": DistillConfig, "data_cfg": DataConfig, "train": TrainConfig}
 
@@ -227,19 +227,19 @@ def _build_bench(where: str, s: dict, i: Inputs):
 
 
 def _run_create(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress import create
+    from t5compress.model import create
 
     return create.run(cfg, out, force=True)
 
 
 def _run_train(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress import training
+    from t5compress.train import stage as training
 
     return training.run(str(i.src), cfg, out, force=True, progress=progress)
 
 
 def _run_qat(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.quantize import qat
+    from t5compress.qat import stage as qat
 
     return qat.run(str(i.src), cfg, out, force=True, progress=progress)
 
@@ -285,7 +285,7 @@ class PretrainSpec:
 
 def _build_pretrain(where: str, s: dict, i: Inputs) -> PretrainSpec:
     from t5compress.pretrain.stage import PretrainConfig
-    from t5compress.trainer import TrainConfig
+    from t5compress.train.loop import TrainConfig
 
     corpus = s.get("corpus")
     if not isinstance(corpus, str) or not corpus:
@@ -315,16 +315,16 @@ def _register(kind: Kind, cls: type | None = None, flatten: dict | None = None, 
 
 def _setup() -> None:
     from t5compress.bench import BenchConfig
-    from t5compress.create import CreateConfig
     from t5compress.data import DataConfig
     from t5compress.export.stage import ExportConfig
+    from t5compress.model.create import CreateConfig
     from t5compress.pretrain.stage import PretrainConfig
     from t5compress.prune.stage import PruneConfig
+    from t5compress.qat.scheme import FakeQuantConfig
+    from t5compress.qat.stage import QatConfig
     from t5compress.quantize import QuantizeConfig
-    from t5compress.quantize.qat import QatConfig
-    from t5compress.quantize.scheme import FakeQuantConfig
-    from t5compress.trainer import TrainConfig
-    from t5compress.training import FinetuneConfig
+    from t5compress.train.loop import TrainConfig
+    from t5compress.train.stage import FinetuneConfig
     from t5compress.triton.stage import TritonConfig
 
     ft = {"data": DataConfig, "train": TrainConfig}

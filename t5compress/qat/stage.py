@@ -17,7 +17,7 @@ from pathlib import Path
 
 from t5compress import artifacts
 from t5compress.data import batch_order, collate
-from t5compress.quantize.fakequant import (
+from t5compress.qat.fakequant import (
     QuantEmbedding,
     QuantLinear,
     calibrate,
@@ -27,8 +27,8 @@ from t5compress.quantize.fakequant import (
     strip,
     summarize,
 )
-from t5compress.quantize.scheme import FakeQuantConfig
-from t5compress.training import FinetuneConfig, Session, fit_session, open_session
+from t5compress.qat.scheme import FakeQuantConfig
+from t5compress.train.stage import FinetuneConfig, Session, fit_session, open_session
 
 log = logging.getLogger(__name__)
 METRICS = ("loss", "exact_match", "rougeL", "bleu")
@@ -57,7 +57,7 @@ def run(
         return {"stage": "qat", **result}
     sizes = weight_bytes(s.model)
     scales = summarize(s.model)
-    from t5compress.models import describe, save_model_dir
+    from t5compress.model.load import describe, save_model_dir
 
     with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         quant_info = save_scales(s.model, tmp, cfg.quant)
@@ -97,7 +97,7 @@ def _metrics(result: dict | None) -> dict | None:
 
 
 def _evaluate(s: Session, cfg: QatConfig) -> dict:
-    from t5compress.evaluation import evaluate
+    from t5compress.train.evaluation import evaluate
 
     t = cfg.finetune.train
     result = evaluate(s.model, s.tokenizer, s.evalset.examples, s.evalset.encoded, t.eval_batch_size,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from t5compress.config import choose, option, require
 from t5compress.cpu import WEIGHT_RANGES
+from t5compress.kinds import SCALES_JSON  # noqa: F401 -- the file name, where QAT code reads it
 
-SCALES_JSON = "quantization.json"
 SCALES_FILE = "quantization.safetensors"
 FORMAT = "t5compress-qat-int8"
 KEEP_WO = ("auto", "yes", "no")
@@ -45,7 +44,3 @@ class FakeQuantConfig:
         require(self.weight_range in WEIGHT_RANGES, "weight_range",
                 f"choose one of {', '.join(WEIGHT_RANGES)}, got {self.weight_range!r}")
 
-
-def is_qat_dir(path: str | Path) -> bool:
-    """Whether `path` holds learned int8 scales beside its weights (written by `t5compress qat`)."""
-    return (Path(path) / SCALES_JSON).is_file()

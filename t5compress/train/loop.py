@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from t5compress.config import choose, option, require
 from t5compress.data import Encoded, Example, batch_order, collate
@@ -35,7 +35,7 @@ def _adafactor(params, cfg):
 
 
 def _adamwscale(params, cfg):
-    from t5compress.optim import AdamWScale
+    from t5compress.train.optim import AdamWScale
 
     return AdamWScale(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -118,8 +118,8 @@ class EvalSet:
     max_new_tokens: int
 
     def evaluate(self, model, tokenizer, cfg: TrainConfig, device) -> dict:
-        """Loss on the references and generation metrics (see `t5compress.evaluation.evaluate`)."""
-        from t5compress.evaluation import evaluate
+        """Loss on the references and generation metrics (see `t5compress.train.evaluation.evaluate`)."""
+        from t5compress.train.evaluation import evaluate
 
         return evaluate(model, tokenizer, self.examples, self.encoded, cfg.eval_batch_size, self.max_new_tokens,
                         cfg.eval_num_beams, device=device)
@@ -208,6 +208,23 @@ def _is_better(metric: str, value: float, best: float | None) -> bool:
     return value < best if metric == "loss" else value > best
 
 
+@dataclass
+class _Run:
+    """One training run set up: the accelerator, the prepared model and optimiser, the batches, the counters."""
+
+    acc: Any
+    model: Any
+    forward: Any  # the compiled model, or the model itself once compilation failed
+    optimizer: Any
+    scheduler: Any
+    stream: Iterator
+    state: dict
+    steps: int
+    warmup: int
+    seen: int = 0
+    tokens: int = 0
+
+
 def fit(
     model,
     tokenizer,
@@ -221,12 +238,42 @@ def fit(
     on_step: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train `model` in place; checkpoints go to `workdir`. Returns the training summary and evaluation history."""
-    import torch
-
-    from t5compress import checkpoint as ckpt
-    from t5compress.evaluation import token_loss
+    from t5compress.train import checkpoint as ckpt
+    from t5compress.train.evaluation import token_loss
 
     loss_fn = loss_fn or token_loss
+    run = _start(model, tokenizer, train, cfg, workdir, resume)
+    acc, state = run.acc, run.state
+    save_every = cfg.save_every or cfg.eval_every or run.steps
+    t0, start_step = time.perf_counter(), state["step"]
+    with _Progress(progress and acc.is_main_process, run.steps, state["step"]) as bar:
+        while state["step"] < run.steps:
+            loss_sum = _step(run, cfg, loss_fn)
+            step, lr = state["step"], run.scheduler.get_last_lr()[0]
+            elapsed = time.perf_counter() - t0
+            bar.advance(loss_sum, lr, run.seen * acc.num_processes / elapsed, run.tokens * acc.num_processes / elapsed)
+            stop = False
+            if evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == run.steps):
+                stop = _evaluate(acc, run.model, tokenizer, evalset, cfg, state, workdir, lr)
+                if acc.is_main_process:
+                    bar.note(state["history"][-1])
+            if acc.is_main_process and (step % save_every == 0 or stop or step == run.steps):
+                ckpt.save_checkpoint(workdir, acc.unwrap_model(run.model), run.optimizer, run.scheduler, state)
+            acc.wait_for_everyone()
+            if on_step is not None:
+                on_step(state)
+            if stop:
+                log.info("early stopping at step %d: no improvement in %d evaluations", step, cfg.patience)
+                break
+    return _summary(run, cfg, time.perf_counter() - t0, start_step if resume else None)
+
+
+def _start(model, tokenizer, train: Encoded | BatchStream, cfg: TrainConfig, workdir: Path, resume: bool) -> _Run:
+    """Accelerator, optimiser, schedule and batches, from the last checkpoint when resuming."""
+    import torch
+
+    from t5compress.train import checkpoint as ckpt
+
     acc = _accelerator(_mixed_precision(cfg))
     torch.manual_seed(cfg.seed)
     n_train = len(train.input_ids) if isinstance(train, Encoded) else None
@@ -240,68 +287,57 @@ def fit(
         state = ckpt.load_checkpoint(workdir, model, optimizer, scheduler)
         log.info("resuming at step %d (epoch %d, batch %d)", state["step"], state["epoch"], state["pos"])
     model, optimizer = acc.prepare(model, optimizer)
-    pad = tokenizer.pad_token_id
     where = (state["epoch"], state["pos"], acc.process_index, acc.num_processes)
+    pad = tokenizer.pad_token_id
     stream = _batches(train, cfg, *where, pad) if isinstance(train, Encoded) else train.batches(*where)
-    save_every = cfg.save_every or cfg.eval_every or steps
-    forward = _compiled(model, cfg)
-    t0, seen, tokens, start_step = time.perf_counter(), 0, 0, state["step"]
-    with _Progress(progress and acc.is_main_process, steps, state["step"]) as bar:
-        while state["step"] < steps:
-            model.train()
-            loss_sum = 0.0
-            for _ in range(cfg.grad_accum):
-                epoch, pos, cpu_batch, n_examples = next(stream)
-                batch = {k: v.to(acc.device) for k, v in cpu_batch.items()}
-                try:
-                    with acc.autocast():
-                        loss = loss_fn(forward, batch, cfg.label_smoothing) / cfg.grad_accum
-                except Exception as e:  # noqa: BLE001 - torch.compile fails on first call where it cannot work
-                    if forward is model:
-                        raise
-                    log.warning("torch.compile failed (%s); training eagerly", str(e).splitlines()[0] if str(e) else e)
-                    forward = model
-                    with acc.autocast():
-                        loss = loss_fn(forward, batch, cfg.label_smoothing) / cfg.grad_accum
-                acc.backward(loss)
-                loss_sum += float(loss.detach())
-                seen += n_examples
-                tokens += _count_tokens(cpu_batch)
-            if cfg.max_grad_norm:
-                acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.update(step=state["step"] + 1, epoch=epoch, pos=pos, loss=round(loss_sum, 5))
-            step, lr = state["step"], scheduler.get_last_lr()[0]
-            elapsed = time.perf_counter() - t0
-            bar.advance(loss_sum, lr, seen * acc.num_processes / elapsed, tokens * acc.num_processes / elapsed)
-            stop = False
-            if evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == steps):
-                stop = _evaluate(acc, model, tokenizer, evalset, cfg, state, workdir, lr)
-                if acc.is_main_process:
-                    bar.note(state["history"][-1])
-            if acc.is_main_process and (step % save_every == 0 or stop or step == steps):
-                ckpt.save_checkpoint(workdir, acc.unwrap_model(model), optimizer, scheduler, state)
-            acc.wait_for_everyone()
-            if on_step is not None:
-                on_step(state)
-            if stop:
-                log.info("early stopping at step %d: no improvement in %d evaluations", step, cfg.patience)
-                break
-    elapsed = time.perf_counter() - t0
+    return _Run(acc, model, _compiled(model, cfg), optimizer, scheduler, stream, state, steps, warmup)
+
+
+def _step(run: _Run, cfg: TrainConfig, loss_fn: Callable) -> float:
+    """One optimiser step over `grad_accum` batches; returns its loss."""
+    acc = run.acc
+    run.model.train()
+    loss_sum = 0.0
+    for _ in range(cfg.grad_accum):
+        epoch, pos, cpu_batch, n_examples = next(run.stream)
+        batch = {k: v.to(acc.device) for k, v in cpu_batch.items()}
+        try:
+            with acc.autocast():
+                loss = loss_fn(run.forward, batch, cfg.label_smoothing) / cfg.grad_accum
+        except Exception as e:  # noqa: BLE001 - torch.compile fails on first call where it cannot work
+            if run.forward is run.model:
+                raise
+            log.warning("torch.compile failed (%s); training eagerly", str(e).splitlines()[0] if str(e) else e)
+            run.forward = run.model
+            with acc.autocast():
+                loss = loss_fn(run.forward, batch, cfg.label_smoothing) / cfg.grad_accum
+        acc.backward(loss)
+        loss_sum += float(loss.detach())
+        run.seen += n_examples
+        run.tokens += _count_tokens(cpu_batch)
+    if cfg.max_grad_norm:
+        acc.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.state.update(step=run.state["step"] + 1, epoch=epoch, pos=pos, loss=round(loss_sum, 5))
+    return loss_sum
+
+
+def _summary(run: _Run, cfg: TrainConfig, elapsed: float, resumed_from: int | None) -> dict:
+    state, n = run.state, run.acc.num_processes
     return {
         "steps": state["step"],
-        "planned_steps": steps,
-        "warmup_steps": warmup,
-        "stopped_early": state["step"] < steps,
+        "planned_steps": run.steps,
+        "warmup_steps": run.warmup,
+        "stopped_early": state["step"] < run.steps,
         "final_train_loss": state.get("loss"),
         "best_step": state["best_step"],
         "best_" + cfg.metric: state["best"],
         "seconds": round(elapsed, 1),
-        "examples_per_second": round(seen * acc.num_processes / max(elapsed, 1e-9), 1),
-        "tokens_per_second": round(tokens * acc.num_processes / max(elapsed, 1e-9), 1),
-        "resumed_from_step": start_step if resume else None,
+        "examples_per_second": round(run.seen * n / max(elapsed, 1e-9), 1),
+        "tokens_per_second": round(run.tokens * n / max(elapsed, 1e-9), 1),
+        "resumed_from_step": resumed_from,
         "history": state["history"],
     }
 
@@ -312,7 +348,7 @@ def _evaluate(
     """Evaluate on the main process, keep the best weights, and agree across processes on early stopping."""
     import torch
 
-    from t5compress import checkpoint as ckpt
+    from t5compress.train import checkpoint as ckpt
 
     stop = False
     if acc.is_main_process:

@@ -33,7 +33,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from t5compress.errors import ModelError
-from t5compress.quantize.scheme import ACT_MODES, FORMAT, SCALES_FILE, SCALES_JSON, FakeQuantConfig
+from t5compress.qat.scheme import ACT_MODES, FORMAT, SCALES_FILE, SCALES_JSON, FakeQuantConfig
 
 log = logging.getLogger(__name__)
 

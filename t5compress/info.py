@@ -6,22 +6,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from t5compress import kinds
 from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
 from t5compress.errors import ModelError
-from t5compress.names import GRAPHS, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 _ARCH_KEYS = ("model_type", "num_layers", "num_decoder_layers", "d_model", "d_ff", "d_kv", "num_heads",
               "feed_forward_proj", "tie_word_embeddings", "vocab_size")
 
 
 def _kind(p: Path) -> str:
-    if any((p / f"{g}{ONNX_SUFFIX}").is_file() for g in GRAPHS):
-        return "onnx export"
-    if any((p / f"{g}{TORCHSCRIPT_SUFFIX}").is_file() for g in GRAPHS):
-        return "torchscript export"
-    if (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
-        return "model"
-    raise ModelError(f"'{p}' is neither a model directory (model.safetensors) nor an export directory (*.onnx, *.pt)")
+    kind = kinds.kind_of(p)
+    if kind is None or kind.name in ("triton-repository", "bench"):
+        raise ModelError(f"'{p}' is neither a model directory (model.safetensors) nor an export directory "
+                         "(*.onnx, *.pt)")
+    return {"onnx-export": "onnx export", "torchscript-export": "torchscript export"}.get(kind.name, "model")
 
 
 def _parameters(p: Path) -> int | None:

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from t5compress import artifacts
-from t5compress.artifacts import read_json, write_json
 from t5compress.config import option, require
 from t5compress.data import DataConfig, Encoded, encode, load_splits
-from t5compress.errors import OutputError
-from t5compress.models import describe, load_model, load_tokenizer, save_model_dir
-from t5compress.trainer import EvalSet, TrainConfig, fit
+from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
+from t5compress.train.checkpoint import prepare_workdir, workdir_of
+from t5compress.train.loop import EvalSet, TrainConfig, fit
 
 log = logging.getLogger(__name__)
 
@@ -29,30 +28,6 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.train_data), "train_data", "give a training data file or dataset")
-
-
-def workdir_of(out: Path) -> Path:
-    """Checkpoints of an unfinished run live beside the output, so `--resume` finds them after a kill -9."""
-    return out.with_name(out.name + ".partial")
-
-
-def _prepare_workdir(out: Path, cfg: Any, force: bool, resume: bool) -> Path:
-    artifacts.check_output(out, force)
-    work = workdir_of(out)
-    saved = read_json(work / "run.json")
-    if resume:
-        if saved is None:
-            raise OutputError(f"nothing to resume: '{work}' does not exist; run again without --resume")
-        if saved["config"] != dataclasses.asdict(cfg):
-            raise OutputError(f"'{work}' was started with other options; resume with the same options or use --force")
-        return work
-    if work.exists():
-        if not force:
-            raise OutputError(f"an interrupted run left '{work}'; pass --resume to continue or --force to start over")
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    write_json(work / "run.json", {"config": dataclasses.asdict(cfg)})
-    return work
 
 
 @dataclass
@@ -76,7 +51,7 @@ def open_session(src: str, cfg: FinetuneConfig, out: Path, force: bool, resume: 
     from accelerate import PartialState
 
     procs = PartialState()  # under `accelerate launch`, only the main process touches the work and output dirs
-    work = _prepare_workdir(out, record or cfg, force, resume) if procs.is_main_process else workdir_of(out)
+    work = prepare_workdir(out, record or cfg, force, resume) if procs.is_main_process else workdir_of(out)
     procs.wait_for_everyone()
     eval_ex = eval_ex[: cfg.train.eval_max_examples]
     train_enc, eval_enc = encode(train_ex, tokenizer, cfg.data), encode(eval_ex, tokenizer, cfg.data)
@@ -114,7 +89,7 @@ def run(
 
 
 def _load_best(model, work: Path) -> dict | None:
-    from t5compress.checkpoint import load_best
+    from t5compress.train.checkpoint import load_best
 
     best = load_best(work, model)
     if best is not None:

@@ -10,14 +10,17 @@ checkpoints deleted. A kill -9 at any moment leaves a complete checkpoint that `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
 
+from t5compress import artifacts
 from t5compress.artifacts import read_json, replace_dir, write_json
 from t5compress.errors import OutputError
 
@@ -88,3 +91,29 @@ def load_best(workdir: Path, model) -> dict | None:
         return None
     load_weights(model, d)
     return json.loads((d / "state.json").read_text())
+
+
+def workdir_of(out: Path) -> Path:
+    """Checkpoints of an unfinished run live beside the output, so `--resume` finds them after a kill -9."""
+    return out.with_name(out.name + ".partial")
+
+
+def prepare_workdir(out: Path, cfg: Any, force: bool, resume: bool) -> Path:
+    """The work dir of a training run into `out`: the one to resume (same options), or a fresh one (`force` drops
+    an interrupted run's); records the options in run.json."""
+    artifacts.check_output(out, force)
+    work = workdir_of(out)
+    saved = read_json(work / "run.json")
+    if resume:
+        if saved is None:
+            raise OutputError(f"nothing to resume: '{work}' does not exist; run again without --resume")
+        if saved["config"] != dataclasses.asdict(cfg):
+            raise OutputError(f"'{work}' was started with other options; resume with the same options or use --force")
+        return work
+    if work.exists():
+        if not force:
+            raise OutputError(f"an interrupted run left '{work}'; pass --resume to continue or --force to start over")
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    write_json(work / "run.json", {"config": dataclasses.asdict(cfg)})
+    return work

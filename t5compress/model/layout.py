@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from t5compress.prune import units
-
-LAYOUT_KEY = "t5compress_layout"
+from t5compress import kinds
+from t5compress.kinds import LAYOUT_KEY
+from t5compress.model import units
 
 
 def layout_of(model) -> dict[str, Any]:
@@ -28,13 +28,13 @@ def layout_of(model) -> dict[str, Any]:
     for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
         blocks = []
         for b in stack.block:
-            entry: dict[str, Any] = {"heads": units.kept_columns(units._self_attn(b))}
+            entry: dict[str, Any] = {"heads": units.kept_columns(units.self_attn(b))}
             cross = units.cross_attn(b)
             if cross is not None:
                 entry["cross_heads"] = cross.n_heads
             entry["d_ff"] = units.ffn_width(units.ffn(b))
             blocks.append(entry)
-        out[name] = {"table": units.table_width(units._self_attn(stack.block[0])), "blocks": blocks}
+        out[name] = {"table": units.table_width(units.self_attn(stack.block[0])), "blocks": blocks}
     return out
 
 
@@ -66,13 +66,13 @@ def apply_layout(model, lay: dict[str, Any]) -> None:
     """Shrink a freshly built full-size model to `lay` (its weights are then loaded over it)."""
     for name, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
         spec = lay[name]
-        selfs = [units._self_attn(b) for b in stack.block]
+        selfs = [units.self_attn(b) for b in stack.block]
         if spec["table"] < selfs[0].n_heads:
             for a in selfs:
                 units.prune_heads(a, range(spec["table"]))
             units.sync_stack(stack)
         for block, entry in zip(stack.block, spec["blocks"], strict=True):
-            attn = units._self_attn(block)
+            attn = units.self_attn(block)
             if len(entry["heads"]) < attn.n_heads:
                 units.prune_heads(attn, entry["heads"])
             cross = units.cross_attn(block)
@@ -85,10 +85,7 @@ def apply_layout(model, lay: dict[str, Any]) -> None:
 
 
 def has_layout(path: str | Path) -> bool:
-    try:
-        return LAYOUT_KEY in json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
+    return kinds.has_layout(Path(path))
 
 
 def load_pruned(path: str | Path, dtype=None):

@@ -70,7 +70,7 @@ def prune_heads(attn: nn.Module, keep: Sequence[int]) -> nn.Module:
     return attn
 
 
-def _ffn_linears(ff: nn.Module) -> tuple[list[nn.Linear], nn.Linear]:
+def ffn_linears(ff: nn.Module) -> tuple[list[nn.Linear], nn.Linear]:
     ins = [ff.wi] if hasattr(ff, "wi") else [ff.wi_0, ff.wi_1]
     return ins, ff.wo
 
@@ -98,14 +98,14 @@ def prune_ffn(ff: nn.Module, keep: Sequence[int]) -> nn.Module:
                                                                                   device=w.device))
     group = graph.get_pruning_group(ff.wo, tp.prune_linear_in_channels, idxs=removed)
     coupled = {dep.target.module for dep, _ in group}
-    ins, out = _ffn_linears(ff)
+    ins, out = ffn_linears(ff)
     if not set(ins) | {out} <= coupled:  # a future FFN variant torch-pruning does not see through: fail loudly
         raise RuntimeError(f"torch-pruning did not couple all FFN projections of {type(ff).__name__}")
     group.prune()
     return ff
 
 
-def _self_attn(block: nn.Module) -> nn.Module:
+def self_attn(block: nn.Module) -> nn.Module:
     return block.layer[0].SelfAttention
 
 
@@ -120,11 +120,11 @@ def ffn(block: nn.Module) -> nn.Module:
 def drop_blocks(stack: nn.Module, keep: Sequence[int]) -> nn.Module:
     """Keep blocks `keep` of a `T5Stack` in order, in place; block 0's relative bias table moves to the new first."""
     idx = _check_keep(keep, len(stack.block), "drop_blocks").tolist()
-    first = _self_attn(stack.block[0])
+    first = self_attn(stack.block[0])
     table = first.relative_attention_bias
     blocks = [stack.block[i] for i in idx]
     for i, block in enumerate(blocks):
-        attn = _self_attn(block)
+        attn = self_attn(block)
         if i == 0 and attn is not first:
             attn.relative_attention_bias = table  # the stack's one table, now owned by its new first block
         elif i > 0 and attn.has_relative_attention_bias:
@@ -149,7 +149,7 @@ def _one_bias_column(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
 
 def sync_stack(stack: nn.Module) -> None:
     """Make a stack's position biases right after its heads were pruned (see the module docstring)."""
-    selfs = [_self_attn(b) for b in stack.block]
+    selfs = [self_attn(b) for b in stack.block]
     columns = [kept_columns(a) for a in selfs]
     table = selfs[0].relative_attention_bias
     if all(c == columns[0] for c in columns) and len(columns[0]) < table.embedding_dim:
@@ -176,7 +176,7 @@ def is_plain(model: nn.Module) -> bool:
     heads, widths = set(), set()
     for stack in (model.encoder, model.decoder):
         for b in stack.block:
-            a = _self_attn(b)
+            a = self_attn(b)
             if a.pruned_heads:
                 return False
             heads.add(a.n_heads)

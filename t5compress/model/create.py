@@ -10,8 +10,8 @@ from typing import Any
 from t5compress import artifacts
 from t5compress.config import option, require
 from t5compress.data import DataConfig, load_examples
-from t5compress.models import create_model, describe, save_model_dir
-from t5compress.tokenization import TOKENIZERS, new_tokenizer
+from t5compress.model.load import create_model, describe, save_model_dir
+from t5compress.model.tokenization import TOKENIZERS, new_tokenizer
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class CreateConfig:
 @artifacts.claims_output
 def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
     """Build the tokenizer and the model, and write them as a Hugging Face model directory."""
-    from t5compress.architectures import architecture
+    from t5compress.model.architectures import architecture
 
     artifacts.check_output(out, force, inputs=[cfg])
     architecture(cfg.arch, cfg.overrides)  # fail on a bad name before training a tokenizer

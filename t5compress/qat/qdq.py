@@ -50,7 +50,7 @@ def _key(a: np.ndarray) -> bytes:
 
 def weight_table(model) -> dict[bytes, _Linear | _Embedding]:
     """fp32 weight content as the exporter writes it (W^T for MatMul, W for Gather) -> what replaces it."""
-    from t5compress.quantize.fakequant import QuantLinear, quant_layers, quantize_weight
+    from t5compress.qat.fakequant import QuantLinear, quant_layers, quantize_weight
 
     table: dict[bytes, _Linear | _Embedding] = {}
     for name, m in quant_layers(model).items():
@@ -160,14 +160,22 @@ def ort_kernels(path: Path) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
 
 
+def prepare_export(src: str | Path, model):
+    """The QAT dir's hook for `export` (registered in `t5compress.kinds`): the model with its learned fake
+    quantization, and the exporter that writes Q/DQ graphs from it."""
+    from t5compress.qat.fakequant import load_fake_quant
+
+    return load_fake_quant(src, model), export_qdq_dir
+
+
 def export_qdq_dir(model, specs: dict, out: Path, cfg) -> dict:
     """The ONNX exporter for a QAT dir: fp32 graphs, rewritten to Q/DQ with the learned scales, verified against
     the fake-quant `model` within `cfg.int8_rtol` of the logits' scale; returns the report section."""
     from t5compress.export.onnx import export_onnx, needs_external_data, optimize_onnx, parameter_bytes, write_merged
     from t5compress.export.verify import open_onnx
     from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST
-    from t5compress.quantize.fakequant import plain_modules
-    from t5compress.quantize.qdq_check import check
+    from t5compress.qat.fakequant import plain_modules
+    from t5compress.qat.qdq_check import check
 
     if cfg.format != "onnx":
         raise ConfigError(f"a QAT dir exports to ONNX Q/DQ graphs only, not {cfg.format}: use --onnx")

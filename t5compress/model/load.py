@@ -56,7 +56,7 @@ def load_model(src: str | os.PathLike, dtype: Any = None):
 
     if is_local(src):
         check_model_dir(src)
-        from t5compress.prune.layout import has_layout, load_pruned
+        from t5compress.model.layout import has_layout, load_pruned
 
         if has_layout(src):  # per-layer sizes after non-uniform pruning: built here, not by from_pretrained
             return load_pruned(src, dtype)
@@ -98,11 +98,11 @@ def _hub_kwargs(repo_id: str) -> dict[str, Any]:
 
 
 def create_model(arch: str, vocab_size: int, overrides: dict[str, Any] | None = None, seed: int = 0):
-    """A new, randomly initialised T5 of a named architecture (see `t5compress.architectures`)."""
+    """A new, randomly initialised T5 of a named architecture (see `t5compress.model.architectures`)."""
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from t5compress.architectures import architecture
+    from t5compress.model.architectures import architecture
 
     kwargs = architecture(arch, overrides)
     kwargs.setdefault("vocab_size", vocab_size)

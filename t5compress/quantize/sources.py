@@ -1,0 +1,81 @@
+"""What a quantization starts from, shared by the plain stage and accuracy-aware tuning: the graphs (untied, smoothed),
+the node plan of each, and the fp32 runtime driven over the calibration texts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from t5compress import artifacts
+from t5compress.names import GRAPHS, ONNX_SUFFIX
+
+KEEP_AUTO, KEEP_NONE = "auto", "none"
+
+
+def untied(path: Path, work: Path) -> Path:
+    """`path` with its tied embedding table split from the LM head (a copy in `work`), or `path` if it has none."""
+    from t5compress.quantize.graphs import untie_embeddings
+
+    dst = work / f"{path.stem}.untied{ONNX_SUFFIX}"
+    return dst if untie_embeddings(path, dst) else path
+
+
+def plan_for(path: Path, cfg, gated: bool):
+    """The nodes of one graph to quantize and to keep fp32 (see `quantize.graphs`)."""
+    import onnx
+
+    from t5compress.quantize.graphs import embedding_nodes, ffn_output_nodes, linear_nodes, matching
+    from t5compress.quantize.methods import Plan
+
+    model = onnx.load(str(path), load_external_data=False)
+    linear_ops = tuple(t for t in cfg.op_types if t in ("MatMul", "Gemm"))
+    nodes = linear_nodes(model, linear_ops) if linear_ops else []
+    nodes += [n.name for n in model.graph.node if n.op_type in cfg.op_types and n.op_type not in ("MatMul", "Gemm")]
+    op_types = list(cfg.op_types)
+    if cfg.embeddings:
+        nodes += [n for n in embedding_nodes(model) if n not in nodes]
+        op_types += ["Gather"] if "Gather" not in op_types else []
+    if cfg.keep_fp32 == KEEP_AUTO:
+        keep = ffn_output_nodes(nodes) if gated and cfg.smooth_alpha == 0 else []
+    elif cfg.keep_fp32 == KEEP_NONE:
+        keep = []
+    else:
+        keep = matching(nodes, tuple(p.strip() for p in cfg.keep_fp32.split(",") if p.strip()))
+    return Plan(tuple(n for n in nodes if n not in keep), tuple(keep), tuple(op_types))
+
+
+def is_gated(export_dir: Path) -> bool:
+    """Whether the export's model has a gated FFN (T5 v1.1 / Flan): its `wo` inputs have outliers."""
+    config = artifacts.read_json(export_dir / "config.json") or {}
+    return str(config.get("feed_forward_proj", "relu")).startswith("gated")
+
+
+def smoothed(src: Path, sources: dict[str, Path], cfg, texts: list[str], work: Path, progress: bool):
+    """Measure `wo` input channels on the calibration texts, then write rescaled fp32 graphs into `work`."""
+    import onnx
+
+    from t5compress.quantize.smooth import ChannelMax, ffn_pairs, smooth
+    from t5compress.runtime import load_runtime
+
+    pairs = {g: ffn_pairs(onnx.load(str(p))) for g, p in sources.items()}
+    meters = {g: ChannelMax(sources[g], pairs[g], work) for g in GRAPHS if pairs[g]}
+    fp32 = load_runtime(src, threads=cfg.threads)
+    drive_texts(fp32, texts, {g: [m] for g, m in meters.items()}, cfg, progress, "measuring wo inputs")
+    smoothed, summary = dict(sources), {}
+    for g, meter in meters.items():
+        smoothed[g] = work / f"{g}.smoothed{ONNX_SUFFIX}"
+        summary[g] = smooth(sources[g], smoothed[g], pairs[g], meter.amax, cfg.smooth_alpha)
+    return smoothed, summary
+
+
+def drive_texts(runtime, texts: list[str], sinks: dict, cfg, progress: bool, what: str) -> dict[str, int]:
+    """Generate on `texts` with the fp32 `runtime`, feeding what each graph sees to its `sinks`; a bar on request."""
+    from t5compress.quantize.calibrate import drive
+
+    if not progress:
+        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(what, total=len(texts))
+        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens,
+                     progress=lambda n: bar.advance(task, n))
