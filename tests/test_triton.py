@@ -25,7 +25,7 @@ from t5compress.errors import ConfigError, ModelError, OutputError
 from t5compress.names import GRAPHS
 from t5compress.triton import TritonConfig, run
 from t5compress.triton import config as pbtxt
-from t5compress.triton.server import ENV_VAR, Ports, find_server, start
+from t5compress.triton.server import ENV_VAR, Ports, ServerError, find_server, open_log, start
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -168,6 +168,52 @@ def test_bench_triton_without_a_server_is_one_line(tmp_path):
     result = runner.invoke(app, ["bench-triton", f"127.0.0.1:{port}", "--requests", "1"])
     assert result.exit_code != 0
     assert f"no Triton server answers http at 127.0.0.1:{port}" in result.output and "Traceback" not in result.output
+
+
+def test_server_log_never_follows_a_planted_link_or_writes_another_file(tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    link = tmp_path / "server.log"
+    link.symlink_to(target)
+    with pytest.raises(ServerError, match="symbolic link"):
+        open_log(link)
+    os.link(target, tmp_path / "hard.log")  # a second name for the same file
+    with pytest.raises(ServerError, match="single link"):
+        open_log(tmp_path / "hard.log")
+    os.mkfifo(tmp_path / "fifo.log")  # no reader: must fail, not block
+    with pytest.raises(ServerError, match="server log"):
+        open_log(tmp_path / "fifo.log")
+    assert target.read_text() == "keep me\n"
+    fresh = tmp_path / "fresh.log"
+    fresh.write_text("old run\n")  # our own regular file is reused, emptied
+    os.close(open_log(fresh))
+    assert fresh.read_text() == ""
+
+
+def test_serve_writes_its_default_log_under_a_fresh_name_not_a_planted_one(tmp_path, monkeypatch):
+    """`serve` used to write /tmp/t5compress-tritonserver-<pid>.log: a link planted there redirected the log."""
+    import signal
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (tmp_path / f"t5compress-tritonserver-{os.getpid()}.log").symlink_to(target)  # the old name, this process's pid
+    fake = tmp_path / "tritonserver"
+    fake.write_text("#!/bin/sh\necho 'E1204 00:00:00.0 1 fake.cc:1] \"fake server gives up\"'\nexit 3\n")
+    fake.chmod(0o755)
+    (tmp_path / "repo").mkdir()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # serve installs its own
+    try:
+        result = runner.invoke(app, ["serve", str(tmp_path / "repo"), "--tritonserver", str(fake), "--timeout", "20"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert result.exit_code != 0 and "fake server gives up" in result.output, result.output
+    assert target.read_text() == "keep me\n"
+    logs = [p for p in tmp_path.glob("t5compress-tritonserver-*.log") if not p.is_symlink()]
+    assert len(logs) == 1 and str(logs[0]) in result.output.replace("\n", "")
+    assert "fake server gives up" in logs[0].read_text()
 
 
 # ---- a real server ---------------------------------------------------------------------------------------------

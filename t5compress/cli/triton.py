@@ -80,8 +80,10 @@ def serve(
     server = find_server(tritonserver)
     if not repo.is_dir():
         fail(f"'{repo}' is not a directory; write a repository with `t5compress triton EXPORT_DIR {repo}`")
-    if log_file is None:
-        log_file = Path(tempfile.gettempdir()) / f"t5compress-tritonserver-{os.getpid()}.log"
+    if log_file is None:  # a fresh name, made by us: a predictable one in /tmp could be a planted link
+        fd, name = tempfile.mkstemp(prefix="t5compress-tritonserver-", suffix=".log")
+        os.close(fd)
+        log_file = Path(name)
     console.print(f"starting tritonserver ({server.origin}) on {repo} ...", highlight=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)

@@ -12,11 +12,13 @@ every request with an empty tensor.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 import urllib.error
@@ -235,7 +237,7 @@ def start(
         *extra_args,
     ]
     log.info("starting %s", " ".join(argv))
-    out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 -- the child owns it
+    out = open_log(log_path) if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(argv, env=server.environ(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C in a terminal reaches us, not the server
@@ -243,8 +245,32 @@ def start(
         raise ServerError(f"cannot run '{server.executable}': {e.strerror}") from e
     finally:
         if log_path:
-            out.close()
+            os.close(out)  # the child holds its own copy
     running = TritonServer(proc, ports, host, Path(log_path) if log_path else None)
     if wait is not None:
         running.wait_ready(wait)
     return running
+
+
+def open_log(path: str | os.PathLike) -> int:
+    """A descriptor to write the server log at `path`, emptied; never through a link, never into another's file.
+
+    Log paths often live in shared directories such as /tmp, where another user can plant a symbolic link (or a hard
+    link, or a FIFO) at the name: a plain `open(path, "w")` would then overwrite whatever the link points at. Here the
+    last path component must not be a symbolic link (O_NOFOLLOW), and an existing file is only reused, emptied, when it
+    is a regular file of ours with a single link. A new file gets the umask's mode.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO cannot stall us
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise ServerError(f"refusing to write the server log '{path}': {why}; pass another log file") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise ServerError(f"refusing to write the server log '{path}': it is not a regular file of this user with a "
+                          "single link; pass another log file")
+    os.set_blocking(fd, True)
+    os.ftruncate(fd, 0)
+    return fd
