@@ -68,7 +68,7 @@ def main() -> None:
     overrides = {"d_model": d, "d_ff": 4 * d, "num_heads": 4, "d_kv": d // 4, "num_layers": 2,
                  "num_decoder_layers": 2, "dropout_rate": 0.0}
     if not (out / "init").is_dir():
-        create.run(create.CreateConfig(arch="t5-efficient-tiny", text=str(train_file), vocab_size=256,
+        create.run(None, create.CreateConfig(arch="t5-efficient-tiny", text=str(train_file), vocab_size=256,
                                        overrides=overrides, seed=args.seed), out / "init")
     data = DataConfig(max_source_length=32, max_target_length=32)
 

@@ -27,6 +27,7 @@ from t5compress import __version__
 from t5compress.errors import OutputError
 
 META_FILE = "t5compress.json"
+Report = dict  # what a stage returns and writes as report.json
 REPORT_FILE = "report.json"
 
 log = logging.getLogger(__name__)

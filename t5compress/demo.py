@@ -46,8 +46,8 @@ def load(cfg: DemoConfig, out: str | Path | None = None):
     return recipe.load(recipe.QUICKSTART, out=out, overrides=cfg.overrides(), only=cfg.stages or None)
 
 
-def run(cfg: DemoConfig, out: str | Path | None = None, force: bool = False, progress: bool = True,
-        on_stage=None) -> dict:
+def run(src: None, cfg: DemoConfig, out: str | Path | None = None, *, force: bool = False, progress: bool = True,
+        on_stage=None) -> artifacts.Report:
     """Run the quickstart recipe into `out` (default: its own, runs/quickstart): generated data, a new model
     fine-tuned on it, its ONNX, int8 and pruned variants, and their benchmark. Stages already done are skipped.
     Returns the recipe's result; OUT/summary.json holds what each stage measured."""

@@ -60,9 +60,17 @@ def inspect_dir(path: str | Path) -> dict[str, Any]:
         "size_bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()),
         "files": files,
         "lineage": None if meta is None else {"stage": meta.get("stage"), "created": meta.get("created"),
-                                               "parent": meta.get("parent")},
+                                               "parent": meta.get("parent"), "what": _stage_help(meta.get("stage"))},
         "report": report,
     }
+
+
+def _stage_help(name: str | None) -> str | None:
+    """What the stage that made a directory does, from the stage registry (recipe-only stages are not in it)."""
+    from t5compress.stages import STAGES
+
+    spec = STAGES.get(name or "")
+    return spec.help if spec else None
 
 
 def _human(n: int) -> str:
@@ -147,7 +155,8 @@ def render(data: dict[str, Any], console) -> None:
     lin = data["lineage"]
     if lin:
         parent = _shown((lin.get("parent") or {}).get("path", "-"))
-        t.add_row("made by", f"{lin['stage']} at {lin['created']} from {parent}")
+        what = f" ({lin['what']})" if lin.get("what") else ""
+        t.add_row("made by", f"{lin['stage']}{what} at {lin['created']} from {parent}")
     else:
         t.add_row("made by", "not t5compress (no t5compress.json)")
     for k, v in _metric_rows(data["report"]):

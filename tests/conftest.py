@@ -66,6 +66,6 @@ def skilled(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("skilled") / "demo"
     # The quickstart recipe's stages up to `int8` (data, model-init, model, onnx, int8): no pruning, no benchmark.
-    demo.run(demo.DemoConfig(train_examples=2000, eval_examples=200, max_steps=150, stages=("int8",)), out,
+    demo.run(None, demo.DemoConfig(train_examples=2000, eval_examples=200, max_steps=150, stages=("int8",)), out,
              progress=False)
     return out

@@ -43,8 +43,11 @@ def _paths(variants: list[str]) -> list[str]:
 
 
 @artifacts.claims_output
-def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = False, progress: bool = True) -> dict:
-    """Measure `variants` (paths or NAME=PATH) as `cfg` says; write OUT atomically; return the report."""
+def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = False,
+        progress: bool = True) -> artifacts.Report:
+    """Measure the variants `src` (paths, NAME=PATH or Triton URLs) as `cfg` says; write OUT atomically; return the
+    report."""
+    variants = src
     from t5compress.bench import report as reporting
 
     started = time.perf_counter()
@@ -86,7 +89,9 @@ def run(variants: list[str], cfg: BenchConfig, out: str | Path, force: bool = Fa
             from t5compress.bench.plots import write_plots
 
             report["plots"] = write_plots(report, tmp)
-        artifacts.write_json(tmp / "bench.json", report)
+        artifacts.write_json(tmp / "bench.json", report)  # the name users and scripts know
+        artifacts.write_report(tmp, {"stage": "bench", **report})  # every stage's report.json
+        artifacts.write_meta(tmp, "bench", {"variants": list(variants), **dataclasses.asdict(cfg)}, parent=None)
         (tmp / "report.md").write_text(reporting.markdown(report))
     log.info("bench written to %s", out)
     return report

@@ -9,65 +9,30 @@ import typer
 
 from t5compress.bench.config import BenchConfig as B
 from t5compress.bench.expect import MISSED_EXIT, exit_code
-from t5compress.cli.common import Force, command, console, err_console, fail
-from t5compress.config import default_of as _d
+from t5compress.cli.common import Force, command, config_from, console, err_console, field_options, with_options
 from t5compress.config import help_of as _h
-
-
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        fail(f"--{name}: give comma-separated integers, e.g. 1,8; got {text!r}")
-    return ()
-
-
-def _csv(values: tuple) -> str:
-    return ",".join(str(v) for v in values)
+from t5compress.stages import stage
 
 
 @command
+@with_options(field_options(B, skip=("expect",)))
 def bench(
     variants: Annotated[list[str], typer.Argument(
         help="Variants: model dirs, ONNX / TorchScript export dirs (fp32, int8, QAT, pruned, merged), CTranslate2 "
              "or OpenVINO dirs, or a served model as http://HOST:PORT/MODEL (grpc:// too), each as it is or as "
              "NAME=SPEC. The first is the reference of the agreement.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory (must not exist unless --force).")],
-    data: Annotated[str | None, typer.Option(help=_h(B, "data"))] = None,
-    field: Annotated[str, typer.Option(help=_h(B, "field"))] = _d(B, "field"),
-    target_field: Annotated[str, typer.Option(help=_h(B, "target_field"))] = _d(B, "target_field"),
-    prefix: Annotated[str, typer.Option(help=_h(B, "prefix"))] = _d(B, "prefix"),
-    eval_max: Annotated[int, typer.Option(help=_h(B, "eval_max"))] = _d(B, "eval_max"),
-    max_new_tokens: Annotated[int, typer.Option(help=_h(B, "max_new_tokens"))] = _d(B, "max_new_tokens"),
-    batch_sizes: Annotated[str, typer.Option(help=_h(B, "batch_sizes") + " Comma-separated.")] = _csv(
-        _d(B, "batch_sizes")),
-    input_tokens: Annotated[int, typer.Option(help=_h(B, "input_tokens"))] = _d(B, "input_tokens"),
-    output_tokens: Annotated[int, typer.Option(help=_h(B, "output_tokens"))] = _d(B, "output_tokens"),
-    threads: Annotated[str, typer.Option(help=_h(B, "threads") + " Comma-separated.")] = _csv(_d(B, "threads")),
-    beams: Annotated[str, typer.Option(help=_h(B, "beams") + " Comma-separated.")] = _csv(_d(B, "beams")),
-    repeats: Annotated[int, typer.Option(help=_h(B, "repeats"))] = _d(B, "repeats"),
-    warmup: Annotated[int, typer.Option(help=_h(B, "warmup"))] = _d(B, "warmup"),
-    peers: Annotated[str, typer.Option(help=_h(B, "peers") + " Comma-separated.")] = "",
-    peer_python: Annotated[str | None, typer.Option(help=_h(B, "peer_python"))] = None,
-    edge: Annotated[bool, typer.Option("--edge", help=_h(B, "edge"))] = False,
-    timeout_s: Annotated[int, typer.Option(help=_h(B, "timeout_s"))] = _d(B, "timeout_s"),
-    plots: Annotated[bool, typer.Option(help=_h(B, "plots"))] = _d(B, "plots"),
-    seed: Annotated[int, typer.Option(help=_h(B, "seed"))] = _d(B, "seed"),
     expect: Annotated[list[str] | None, typer.Option(
         "--expect", metavar="KEY=RATIO", help=_h(B, "expect") + f" Repeatable. A missed one exits with code "
         f"{MISSED_EXIT} after the whole report is written (for CI).")] = None,
     force: Force = False,
+    **opts,
 ) -> None:
     """Measure every variant (and the peers) on one grid: latency, cold start, memory, size, accuracy, the speed-up
     over the fastest peer; plots. Exit code 3: an --expect was missed (the report is written); 2: bad input."""
-    from t5compress.bench.stage import run
+    run = stage("bench").runner()
 
-    cfg = B(data=data, field=field, target_field=target_field, prefix=prefix, eval_max=eval_max,
-            max_new_tokens=max_new_tokens, batch_sizes=_ints(batch_sizes, "batch-sizes"), input_tokens=input_tokens,
-            output_tokens=output_tokens, threads=_ints(threads, "threads"), beams=_ints(beams, "beams"),
-            repeats=repeats, warmup=warmup, peers=tuple(p.strip() for p in peers.split(",") if p.strip()),
-            peer_python=peer_python, edge=edge, timeout_s=timeout_s, plots=plots, seed=seed,
-            expect=tuple(expect or ()))
+    cfg = config_from(B, opts, expect=tuple(expect or ()))
     report = run(variants, cfg, out, force=force)
     print_report(report, console)
     console.print(f"bench report → [bold]{out}[/bold] (bench.json, report.md"

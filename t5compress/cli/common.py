@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 import sys
+import typing
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from t5compress.errors import T5CompressError
+from t5compress.config import default_of
+from t5compress.errors import ConfigError, T5CompressError
 
 app = typer.Typer(
     name="t5compress",
@@ -70,3 +74,65 @@ def fail(message: str) -> None:
 
 def stdin_is_piped() -> bool:
     return not sys.stdin.isatty()
+
+
+# --- options from config fields: the one way a command turns its options into the stage's config --------------------
+
+
+def _is_tuple(hint: Any) -> bool:
+    return typing.get_origin(hint) is tuple
+
+
+def field_options(cls: type, *names: str, skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """Keyword options for the fields `names` of config class `cls` (default: every field with a plain type): type,
+    default and help come from the dataclass. A bool has its `--no-` form; a tuple is given comma-separated."""
+    hints = typing.get_type_hints(cls)
+    params = []
+    for f in dataclasses.fields(cls):
+        if (names and f.name not in names) or f.name in skip:
+            continue
+        hint, default, help_ = hints[f.name], default_of(cls, f.name), f.metadata.get("help", "")
+        if _is_tuple(hint):
+            hint, default, help_ = str, ",".join(str(v) for v in default), help_ + " Comma-separated."
+        elif dataclasses.is_dataclass(hint) or typing.get_origin(hint) in (dict, list):
+            if names:
+                raise TypeError(f"{cls.__name__}.{f.name} is not a plain option")
+            continue
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=Annotated[hint, typer.Option(help=help_)]))
+    return params
+
+
+def config_from(cls: type, opts: dict, **given: Any):
+    """An instance of config class `cls` from the command's options (its fields' ones are popped from `opts`),
+    with `given` fields set by the command itself; comma-separated tuple options are split and typed."""
+    hints = typing.get_type_hints(cls)
+    values = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name not in opts or f.name in given:
+            continue
+        value = opts.pop(f.name)
+        if _is_tuple(hints[f.name]) and isinstance(value, str):
+            value = _split(value, typing.get_args(hints[f.name])[0], f.name)
+        values[f.name] = value
+    return cls(**values)
+
+
+def _split(text: str, kind: type, name: str) -> tuple:
+    try:
+        return tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--{name.replace('_', '-')}: give comma-separated {kind.__name__} values, e.g. "
+                          f"1,8; got {text!r}") from None
+
+
+def with_options(*groups: list[inspect.Parameter]):
+    """Give a command extra options (Typer reads the signature); the function receives them as **opts."""
+
+    def deco(fn):
+        sig = inspect.signature(fn, eval_str=True)  # string annotations (PEP 563) would lose their help texts
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        fn.__signature__ = sig.replace(parameters=[*own, *(p for g in groups for p in g)])
+        return fn
+
+    return deco

@@ -12,6 +12,7 @@ from t5compress.cli.run import DryRun, Rerun
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.demo import DemoConfig as C
+from t5compress.stages import stage
 
 
 @command
@@ -26,13 +27,12 @@ def demo(
 ) -> None:
     """Build a small T5 on generated data, fine-tune it, ship it (ONNX, int8, pruned + int8) and benchmark the
     variants: the quickstart recipe, as `t5compress run recipes/quickstart.yaml` runs it. Done stages are skipped."""
-    from t5compress import demo as stage
-    from t5compress import recipe
+    from t5compress import demo, recipe
     from t5compress.cli.run import announce, print_plan, print_results
 
     cfg = C(max_steps=max_steps, train_examples=train_examples, seed=seed)
-    r = stage.load(cfg, out)
+    r = demo.load(cfg, out)
     print_plan(r, recipe.plan(r, force=force))
     if dry_run:
         return
-    print_results(stage.run(cfg, out, force=force, on_stage=announce))
+    print_results(stage("demo").runner()(None, cfg, out, force=force, on_stage=announce))

@@ -6,39 +6,37 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, ModelDir, OutDir, command, console, fail
-from t5compress.config import default_of as _d
-from t5compress.config import help_of as _h
+from t5compress.cli.common import (
+    Force,
+    ModelDir,
+    OutDir,
+    command,
+    config_from,
+    console,
+    fail,
+    field_options,
+    with_options,
+)
 from t5compress.export.stage import ExportConfig as E
+from t5compress.stages import stage
 
 
 @command
+@with_options(field_options(E, skip=("format",)))
 def export(
     model: ModelDir,
     out: OutDir,
     onnx: Annotated[bool, typer.Option("--onnx", help="Write ONNX graphs (the default).")] = False,
     torchscript: Annotated[bool, typer.Option("--torchscript", help="Write TorchScript graphs (.pt).")] = False,
-    decoders: Annotated[str, typer.Option(help=_h(E, "decoders"))] = _d(E, "decoders"),
-    merged: Annotated[bool, typer.Option("--merged", help=_h(E, "merged"))] = False,
-    optimize: Annotated[bool, typer.Option("--optimize", help=_h(E, "optimize"))] = False,
-    optimize_level: Annotated[str, typer.Option(help=_h(E, "optimize_level"))] = _d(E, "optimize_level"),
-    opset: Annotated[int, typer.Option(help=_h(E, "opset"))] = _d(E, "opset"),
-    atol: Annotated[float, typer.Option(help=_h(E, "atol"))] = _d(E, "atol"),
-    rtol: Annotated[float, typer.Option(help=_h(E, "rtol"))] = _d(E, "rtol"),
-    int8_rtol: Annotated[float, typer.Option(help=_h(E, "int8_rtol"))] = _d(E, "int8_rtol"),
-    max_new_tokens: Annotated[int, typer.Option(help=_h(E, "max_new_tokens"))] = _d(E, "max_new_tokens"),
     force: Force = False,
+    **opts,
 ) -> None:
     """Export encoder, decoder and decoder-with-past graphs, checked against PyTorch (optimum's file layout)."""
-    from t5compress.export.stage import run
+    run = stage("export").runner()
 
     if onnx and torchscript:
         fail("choose one of --onnx and --torchscript")
-    cfg = E(
-        format="torchscript" if torchscript else "onnx", opset=opset, decoders=decoders, merged=merged,
-        optimize=optimize, optimize_level=optimize_level, atol=atol, rtol=rtol, int8_rtol=int8_rtol,
-        max_new_tokens=max_new_tokens,
-    )
+    cfg = config_from(E, opts, format="torchscript" if torchscript else "onnx")
     report = run(model, cfg, out, force=force)
     parity = report["parity"]
     if "int8" in report:  # a QAT dir: int8 Q/DQ graphs, checked against the fake-quantized model

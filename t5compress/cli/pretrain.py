@@ -15,6 +15,7 @@ from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.pretrain.stage import NANOT5
 from t5compress.pretrain.stage import PretrainConfig as P
+from t5compress.stages import stage
 from t5compress.train.loop import TrainConfig as T
 
 # The trainer's options that matter for pre-training, with nanoT5's defaults.
@@ -54,7 +55,7 @@ def pretrain(
     OUT is a normal model directory: fine-tune it with `t5compress train`, then prune, export and quantize it.
     """
     from t5compress.model.architectures import parse_overrides
-    from t5compress.pretrain.stage import run
+    run = stage("pretrain").runner()
 
     resume, force = opts.pop("resume"), opts.pop("force")
     train = dataclasses.replace(NANOT5, **{n: opts.pop(n) for n in _TRAIN_FIELDS})

@@ -12,6 +12,7 @@ from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.prune.recover import RecoverConfig as R
 from t5compress.prune.stage import PruneConfig as P
+from t5compress.stages import stage
 from t5compress.train.distill import DistillConfig as K
 from t5compress.train.loop import TrainConfig as T
 
@@ -68,7 +69,7 @@ def prune(
     force: Force = False,
 ) -> None:
     """Remove the least important attention heads, FFN channels and layers; optionally recover (and distil)."""
-    from t5compress.prune.stage import run
+    run = stage("prune").runner()
 
     recover = None
     if recover_data is not None:
@@ -103,7 +104,7 @@ def recover(
     force: Force = False,
 ) -> None:
     """Fine-tune a pruned model to win back accuracy, optionally distilling from the unpruned teacher."""
-    from t5compress.prune.recover import run
+    run = stage("recover").runner()
 
     cfg = _recover_cfg(data, eval_data, steps, distill, teacher, temperature, alpha, hidden_weight, lr, batch_size,
                        eval_every, seed)

@@ -12,6 +12,7 @@ from t5compress.cli.train import DATA_OPTIONS, RUN_OPTIONS, TRAIN_OPTIONS, Train
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.qat.scheme import FakeQuantConfig as Q
+from t5compress.stages import stage
 
 
 @command
@@ -33,13 +34,15 @@ def qat(
     scales). OUT is a plain fp32 model dir with the scales beside it; `t5compress export OUT DIR --onnx` writes int8
     Q/DQ graphs with them. Takes every option of train; --resume continues after a kill.
     """
-    from t5compress.qat import stage
+    from t5compress.qat import stage as qat
+
+    run = stage("qat").runner()
 
     resume, force = opts.pop("resume"), opts.pop("force")
     quant = Q(act_scale=act_scale, ema_momentum=ema_momentum, calib_batches=calib_batches, keep_wo=keep_wo,
               lm_head=lm_head, embedding=embedding, weight_range=weight_range)
-    cfg = stage.QatConfig(finetune=finetune_config(data, opts), quant=quant)
-    report = stage.run(model, cfg, Path(out), force=force, resume=resume)
+    cfg = qat.QatConfig(finetune=finetune_config(data, opts), quant=quant)
+    report = run(model, cfg, Path(out), force=force, resume=resume)
     if report.get("metrics") is not None:  # absent on the non-main processes of a multi-GPU run
         print_qat_summary(report, out)
 

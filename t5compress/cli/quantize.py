@@ -6,53 +6,27 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, OutDir, Threads, command, console, fail
-from t5compress.config import default_of as _d
-from t5compress.config import help_of as _h
+from t5compress.cli.common import Force, OutDir, command, config_from, console, fail, field_options, with_options
 from t5compress.quantize.stage import QuantizeConfig as Q
+from t5compress.stages import stage
 
 
 @command
+@with_options(field_options(Q, skip=("mode",)))
 def quantize(
     export_dir: Annotated[str, typer.Argument(help="An fp32 ONNX export directory (from `t5compress export`).")],
     out: OutDir,
     static: Annotated[bool, typer.Option("--static", help="Static int8 on --calib-data (default).")] = False,
     dynamic: Annotated[bool, typer.Option("--dynamic", help="Dynamic int8: no calibration data needed.")] = False,
-    calib_data: Annotated[str | None, typer.Option(help=_h(Q, "calib_data"))] = None,
-    field: Annotated[str, typer.Option(help=_h(Q, "field"))] = _d(Q, "field"),
-    prefix: Annotated[str, typer.Option(help=_h(Q, "prefix"))] = _d(Q, "prefix"),
-    samples: Annotated[int, typer.Option(help=_h(Q, "samples"))] = _d(Q, "samples"),
-    method: Annotated[str, typer.Option(help=_h(Q, "method"))] = _d(Q, "method"),
-    per_channel: Annotated[bool, typer.Option(help=_h(Q, "per_channel"))] = _d(Q, "per_channel"),
-    weight_range: Annotated[str, typer.Option(help=_h(Q, "weight_range"))] = _d(Q, "weight_range"),
-    quant_format: Annotated[str, typer.Option("--format", help=_h(Q, "format"))] = _d(Q, "format"),
-    op_types: Annotated[str, typer.Option(help=_h(Q, "op_types") + " Comma-separated.")] = ",".join(
-        _d(Q, "op_types")),
-    embeddings: Annotated[bool, typer.Option(help=_h(Q, "embeddings"))] = _d(Q, "embeddings"),
-    keep_fp32: Annotated[str, typer.Option(help=_h(Q, "keep_fp32"))] = _d(Q, "keep_fp32"),
-    smooth_alpha: Annotated[float, typer.Option(help=_h(Q, "smooth_alpha"))] = _d(Q, "smooth_alpha"),
-    eval_data: Annotated[str | None, typer.Option(help=_h(Q, "eval_data"))] = None,
-    eval_max: Annotated[int, typer.Option(help=_h(Q, "eval_max"))] = _d(Q, "eval_max"),
-    max_new_tokens: Annotated[int, typer.Option(help=_h(Q, "max_new_tokens"))] = _d(Q, "max_new_tokens"),
-    batch_size: Annotated[int, typer.Option(help=_h(Q, "batch_size"))] = _d(Q, "batch_size"),
-    min_agreement: Annotated[float, typer.Option(help=_h(Q, "min_agreement"))] = _d(Q, "min_agreement"),
-    tolerance: Annotated[float | None, typer.Option(help=_h(Q, "tolerance"))] = None,
-    threads: Threads = _d(Q, "threads"),
     force: Force = False,
+    **opts,
 ) -> None:
     """Quantize an ONNX export to int8 (static or dynamic), checked against fp32 before anything is written."""
-    from t5compress.quantize.stage import run
+    run = stage("quantize").runner()
 
     if static and dynamic:
         fail("choose one of --static and --dynamic")
-    cfg = Q(
-        mode="dynamic" if dynamic else "static", calib_data=calib_data, field=field, prefix=prefix, samples=samples,
-        method=method, per_channel=per_channel, weight_range=weight_range, format=quant_format,
-        op_types=tuple(t.strip() for t in op_types.split(",") if t.strip()), embeddings=embeddings,
-        keep_fp32=keep_fp32, smooth_alpha=smooth_alpha, eval_data=eval_data, eval_max=eval_max,
-        max_new_tokens=max_new_tokens, batch_size=batch_size, min_agreement=min_agreement, threads=threads,
-        tolerance=tolerance,
-    )
+    cfg = config_from(Q, opts, mode="dynamic" if dynamic else "static")
     report = run(export_dir, cfg, out, force=force)
     print_report(report, console)
     console.print(f"int8 export → [bold]{out}[/bold]")

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, ModelDir, OutDir, command, console
+from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, console, field_options, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.data import DataConfig as D
+from t5compress.stages import stage
 from t5compress.train.loop import TrainConfig as T
 
 # Data options, shared by create (tokenizer text) and train.
@@ -37,35 +37,27 @@ def create(
     force: Force = False,
 ) -> None:
     """Create a new, randomly initialised T5 of a named architecture, with a tokenizer, as a model directory."""
-    from t5compress.model import create as stage
+    from t5compress.model import create
     from t5compress.model.architectures import parse_overrides
 
-    cfg = stage.CreateConfig(
+    cfg = create.CreateConfig(
         arch=arch, tokenizer=tokenizer, text=text, vocab_size=vocab_size, overrides=parse_overrides(override or []),
         data=D(source_field=source_field, target_field=target_field), seed=seed,
     )
-    report = stage.run(cfg, out, force=force)
+    report = stage("create").runner()(arch, cfg, out, force=force)
     m = report["model"]
     console.print(f"created {arch}: {m['parameters']:,} parameters ({m['parameters'] / 1e6:.2f}M), "
                   f"vocabulary {m['vocab_size']} → [bold]{out}[/bold]")
-
-
-def _option(name: str, cls: type) -> inspect.Parameter:
-    """A keyword option named after config field `name` of `cls`, with its help text and default."""
-    default = _d(cls, name)
-    kind = type(default) if default is not None else str | None
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[kind, typer.Option(help=_h(cls, name))])
 
 
 # The data and training options of `train`, declared once; `qat` (and later recovery training) take the same.
 DATA_OPTIONS = [
     inspect.Parameter("eval_data", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         str | None, typer.Option("--eval", help="Held-out data (default: split off DATA).")]),
-    *(_option(n, D) for n in ("source_field", "target_field", "prefix", "max_source_length", "max_target_length",
-                              "eval_fraction", "hf_split", "hf_eval_split", "hf_config")),
+    *field_options(D, "source_field", "target_field", "prefix", "max_source_length", "max_target_length",
+                   "eval_fraction", "hf_split", "hf_eval_split", "hf_config"),
 ]
-TRAIN_OPTIONS = [_option(f.name, T) for f in dataclasses.fields(T)]
+TRAIN_OPTIONS = field_options(T)
 RUN_OPTIONS = [
     inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted run from its checkpoint.")]),
@@ -73,26 +65,12 @@ RUN_OPTIONS = [
 ]
 
 
-def with_options(*groups: list[inspect.Parameter]):
-    """Give a command the shared options (Typer reads the signature); the function receives them as **opts."""
-
-    def deco(fn):
-        sig = inspect.signature(fn, eval_str=True)  # string annotations (PEP 563) would lose their help texts
-        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        fn.__signature__ = sig.replace(parameters=[*own, *(p for g in groups for p in g)])
-        return fn
-
-    return deco
-
-
 def finetune_config(data: str, opts: dict):
     """The FinetuneConfig of a command's DATA argument and its shared options (pops them from `opts`)."""
     from t5compress.train.stage import FinetuneConfig
 
-    def take(cls):
-        return cls(**{f.name: opts.pop(f.name) for f in dataclasses.fields(cls) if f.name in opts})
-
-    return FinetuneConfig(train_data=data, eval_data=opts.pop("eval_data", None), data=take(D), train=take(T))
+    return FinetuneConfig(train_data=data, eval_data=opts.pop("eval_data", None), data=config_from(D, opts),
+                          train=config_from(T, opts))
 
 
 TrainData = Annotated[str, typer.Argument(help="Training data: .jsonl, .csv, .tsv, a datasets dir or dataset name.")]
@@ -106,11 +84,9 @@ def train(model: ModelDir, data: TrainData, out: OutDir, **opts) -> None:
     Checkpoints of an unfinished run are kept in OUT.partial/; after a crash or kill, rerun the same command with
     --resume. On several GPUs: accelerate launch --multi_gpu -m t5compress.cli train ...
     """
-    from t5compress.train import stage as training
-
     resume, force = opts.pop("resume"), opts.pop("force")
     cfg = finetune_config(data, opts)
-    report = training.run(model, cfg, Path(out), force=force, resume=resume)
+    report = stage("train").runner()(model, cfg, Path(out), force=force, resume=resume)
     if report["eval"] is not None:  # None on the non-main processes of a multi-GPU run
         print_train_summary(report, out)
 

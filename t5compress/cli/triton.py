@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, OutDir, command, console, err_console, fail
-from t5compress.config import default_of as _d
-from t5compress.config import help_of as _h
+from t5compress.cli.common import (
+    Force,
+    OutDir,
+    command,
+    config_from,
+    console,
+    err_console,
+    fail,
+    field_options,
+    with_options,
+)
+from t5compress.stages import stage
+from t5compress.triton.serve import ServeConfig
 from t5compress.triton.stage import TritonConfig as C
 
 DEFAULT_TEXTS = ("translate English to German: The house is wonderful.",
@@ -22,30 +29,19 @@ DEFAULT_TEXTS = ("translate English to German: The house is wonderful.",
 
 
 @command
+@with_options(field_options(C))
 def triton(
     export_dir: Annotated[Path, typer.Argument(help="ONNX export directory (t5compress export MODEL OUT --onnx).")],
     out: OutDir,
-    name: Annotated[str, typer.Option(help=_h(C, "name"))] = _d(C, "name"),
-    kind: Annotated[str, typer.Option(help=_h(C, "kind"))] = _d(C, "kind"),
-    instances: Annotated[int, typer.Option(help=_h(C, "instances"))] = _d(C, "instances"),
-    bls_instances: Annotated[int, typer.Option(help=_h(C, "bls_instances"))] = _d(C, "bls_instances"),
-    threads: Annotated[int, typer.Option(help=_h(C, "threads"))] = _d(C, "threads"),
-    portable: Annotated[bool, typer.Option("--portable", help=_h(C, "portable"))] = False,
-    max_batch_size: Annotated[int, typer.Option(help=_h(C, "max_batch_size"))] = _d(C, "max_batch_size"),
-    max_beams: Annotated[int, typer.Option(help=_h(C, "max_beams"))] = _d(C, "max_beams"),
-    max_new_tokens: Annotated[int, typer.Option(help=_h(C, "max_new_tokens"))] = _d(C, "max_new_tokens"),
-    max_input_tokens: Annotated[int, typer.Option(help=_h(C, "max_input_tokens"))] = _d(C, "max_input_tokens"),
-    queue_delay_us: Annotated[int, typer.Option(help=_h(C, "queue_delay_us"))] = _d(C, "queue_delay_us"),
     force: Force = False,
+    **opts,
 ) -> None:
     """Write a Triton model repository: a text-in/text-out BLS model and its encoder/decoder leaf models."""
     from rich.table import Table
 
-    from t5compress.triton.stage import run
+    run = stage("triton").runner()
 
-    cfg = C(name=name, kind=kind, instances=instances, bls_instances=bls_instances, threads=threads,
-            portable=portable, max_batch_size=max_batch_size, max_beams=max_beams, max_new_tokens=max_new_tokens,
-            max_input_tokens=max_input_tokens, queue_delay_us=queue_delay_us)
+    cfg = config_from(C, opts)
     report = run(export_dir, cfg, out, force=force)
     t = Table(title=f"Triton model repository ({report['flavour']}, {report['kind']})", title_justify="left")
     for col in ("model", "backend", "max batch", "instances", "inputs", "outputs"):
@@ -62,49 +58,26 @@ def triton(
 
 
 @command
+@with_options(field_options(ServeConfig))
 def serve(
     repo: Annotated[Path, typer.Argument(help="Model repository (written by `t5compress triton`).")],
-    http_port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="gRPC port.")] = 8001,
-    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port.")] = 8002,
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
-    tritonserver: Annotated[Path | None, typer.Option(help="tritonserver executable (default: PATH, then "
-                                                           "the nvidia-pytriton environment).")] = None,
-    log_file: Annotated[Path | None, typer.Option(help="Write the server's log here (default: a temporary file, "
-                                                       "named when the server is ready).")] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the models to load.")] = 180.0,
+    **opts,
 ) -> None:
     """Start a Triton Inference Server on REPO, print its endpoints, and stop it on Ctrl-C."""
-    from t5compress.triton.server import Ports, find_server, start
+    run = stage("serve").runner()
+    from t5compress.triton.server import find_server
 
-    server = find_server(tritonserver)
-    if not repo.is_dir():
-        fail(f"'{repo}' is not a directory; write a repository with `t5compress triton EXPORT_DIR {repo}`")
-    if log_file is None:  # a fresh name, made by us: a predictable one in /tmp could be a planted link
-        fd, name = tempfile.mkstemp(prefix="t5compress-tritonserver-", suffix=".log")
-        os.close(fd)
-        log_file = Path(name)
+    cfg = config_from(ServeConfig, opts)
+    server = find_server(cfg.tritonserver)  # says how to get one before anything else
     console.print(f"starting tritonserver ({server.origin}) on {repo} ...", highlight=False)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
-    running = start(server, repo, Ports(http_port, grpc_port, metrics_port), host=host, log_path=log_file, wait=None)
-    try:
-        running.wait_ready(timeout)
+
+    def ready(running, log_path) -> None:
         console.print(f"ready (pid {running.pid}): HTTP {running.http_url}  gRPC {running.grpc_url}  "
                       f"metrics {running.metrics_url}", highlight=False)
-        console.print(f"server log: {log_file}; Ctrl-C to stop", highlight=False)
-        code = running.process.wait()
-        err_console.print(f"[red]error:[/red] tritonserver exited with code {code}", highlight=False)
-        raise typer.Exit(code=1)
-    except KeyboardInterrupt:
-        console.print("stopping ...")
-    finally:
-        code = running.stop()
-    console.print(f"tritonserver stopped (exit code {code})", highlight=False)
+        console.print(f"server log: {log_path}; Ctrl-C to stop", highlight=False)
 
-
-def _interrupt(*_):
-    raise KeyboardInterrupt
+    report = run(repo, cfg, on_ready=ready)
+    console.print(f"tritonserver stopped (exit code {report['exit_code']})", highlight=False)
 
 
 PERF_ANALYZER_HELP = "Run NVIDIA's perf_analyzer (must be on PATH) instead of the built-in client."

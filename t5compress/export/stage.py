@@ -146,7 +146,8 @@ EXPORTERS: dict[str, Callable[..., dict]] = {"onnx": export_onnx_dir, "torchscri
 
 
 @artifacts.claims_output
-def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, force: bool = False) -> dict:
+def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, force: bool = False,
+        progress: bool = True) -> artifacts.Report:
     """Export `src` to `out` as `cfg` says, verify it against PyTorch, and return the report (also in report.json)."""
     from t5compress.export.graphs import graph_specs, manifest
 

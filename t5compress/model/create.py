@@ -31,9 +31,14 @@ class CreateConfig:
 
 
 @artifacts.claims_output
-def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
-    """Build the tokenizer and the model, and write them as a Hugging Face model directory."""
+def run(src: str | None, cfg: CreateConfig, out: str | Path, *, force: bool = False,
+        progress: bool = True) -> artifacts.Report:
+    """Build the tokenizer and the model of architecture `src` (None: `cfg.arch`), and write them as a Hugging Face
+    model directory. `create` reads no directory: its source is the architecture's name."""
     from t5compress.model.architectures import architecture
+
+    if src is not None and src != cfg.arch:
+        cfg = dataclasses.replace(cfg, arch=src)
 
     artifacts.check_output(out, force, inputs=[cfg])
     architecture(cfg.arch, cfg.overrides)  # fail on a bad name before training a tokenizer

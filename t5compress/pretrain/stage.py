@@ -142,9 +142,9 @@ def _set_dropout(model, p: float) -> float:
 
 @artifacts.claims_output
 def run(
-    src: str | Path, cfg: PretrainConfig, out: str | Path, force: bool = False, resume: bool = False,
-    progress: bool = True, on_step=None,
-) -> dict:
+    src: str | Path, cfg: PretrainConfig, out: str | Path, *, force: bool = False, progress: bool = True,
+    resume: bool = False, on_step=None,
+) -> artifacts.Report:
     """Pre-train on the corpus `src` (file, folder or dataset) and write the model directory `out`; the report."""
     from t5compress.model.architectures import architecture
     from t5compress.train.checkpoint import prepare_workdir

@@ -69,8 +69,8 @@ def teacher_of(src: str | Path, cfg: RecoverConfig) -> str:
 
 
 @artifacts.claims_output
-def run(src: str | Path, cfg: RecoverConfig, out: str | Path, force: bool = False, resume: bool = False,
-        progress: bool = True, on_step=None) -> dict:
+def run(src: str | Path, cfg: RecoverConfig, out: str | Path, *, force: bool = False, progress: bool = True,
+        resume: bool = False, on_step=None) -> artifacts.Report:
     """Recover the pruned model `src` into `out`; the report has the metric before and after."""
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
     from t5compress.prune.measure import measure_eval

@@ -109,8 +109,8 @@ def _prune(model, tokenizer, calib_ex, cfg: PruneConfig, targets, progress: bool
 
 
 @artifacts.claims_output
-def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, force: bool = False,
-        resume: bool = False, progress: bool = True, on_step=None) -> dict:
+def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, force: bool = False,
+        progress: bool = True, resume: bool = False, on_step=None) -> artifacts.Report:
     """Prune `src` into `out` as `cfg` says (recovering when `cfg.recover`); returns the report."""
     from t5compress.model import layout, units
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir

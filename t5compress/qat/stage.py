@@ -42,9 +42,9 @@ class QatConfig:
 
 @artifacts.claims_output
 def run(
-    src: str, cfg: QatConfig, out: str | Path, force: bool = False, resume: bool = False, progress: bool = True,
-    on_step=None,
-) -> dict:
+    src: str, cfg: QatConfig, out: str | Path, *, force: bool = False, progress: bool = True,
+    resume: bool = False, on_step=None,
+) -> artifacts.Report:
     """Quantization-aware fine-tuning of `src`; writes the best model and its scales to `out`. Returns the report."""
     out = artifacts.check_output(out, force, inputs=[src, cfg])
     s = open_session(src, cfg.finetune, out, force, resume, record=cfg)

@@ -108,8 +108,8 @@ def check_export_dir(src: Path) -> None:
 
 
 @artifacts.claims_output
-def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, force: bool = False,
-        progress: bool = True) -> dict:
+def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, *, force: bool = False,
+        progress: bool = True) -> artifacts.Report:
     """Quantize the export dir `src` into `out`; returns the report (also written to out/report.json)."""
     from t5compress.quantize.calibrate import load_texts
 

@@ -284,8 +284,7 @@ def read_state(out: Path) -> dict:
 def complete(stage: Stage) -> bool:
     """The stage's directory holds its report (stages write through a temporary sibling, so a dir with its report is
     whole)."""
-    marker = "bench.json" if stage.kind.name == "bench" else artifacts.REPORT_FILE
-    return (stage.dir / marker).is_file()
+    return (stage.dir / artifacts.REPORT_FILE).is_file()
 
 
 def plan(recipe: Recipe, force: bool = False) -> list[dict]:

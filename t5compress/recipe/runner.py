@@ -32,7 +32,7 @@ def run(recipe: Recipe, force: bool = False, progress: bool = True,
         if on_stage is not None:
             on_stage(stage, row, n, len(rows))
         if row["action"] == "skip":
-            reports[stage.id] = artifacts.read_json(stage.dir / _report_file(stage)) or {}
+            reports[stage.id] = artifacts.read_json(stage.dir / artifacts.REPORT_FILE) or {}
             old = state["stages"].get(stage.id, {})
             row.update(seconds=old.get("seconds"), summary=old.get("summary", ""))
             continue
@@ -54,10 +54,6 @@ def run(recipe: Recipe, force: bool = False, progress: bool = True,
             "ran": [r["id"] for r in rows if r["action"] == "run"],
             "skipped": [r["id"] for r in rows if r["action"] == "skip"],
             "seconds": round(time.perf_counter() - started, 1), "reports": reports}
-
-
-def _report_file(stage: Stage) -> str:
-    return "bench.json" if stage.kind.name == "bench" else artifacts.REPORT_FILE
 
 
 def _summary(stage: Stage, report: dict) -> str:

@@ -43,17 +43,27 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of stage."""
+    """One kind of stage: how a recipe's settings become its config, and what it reads; it runs through the
+    stage protocol (`run(src, cfg, out, *, force, progress)`), the registered stage's or the recipe's own."""
 
     name: str
     rank: int  # position in the chain: a stage comes after the stages of lower rank it reads
     consumes: tuple[str, ...]  # artifacts accepted as input; () for a source stage
     keys: frozenset[str]  # setting keys (besides stage, input, variants)
     build: Callable[[str, dict, Inputs], Any]  # (where, settings, inputs) -> the stage's config
-    execute: Callable[[Any, Inputs, Path, bool], dict]  # (config, inputs, out, progress) -> report
     produces: Callable[[str | None], str]  # input artifact -> output artifact
     summary: Callable[[dict], str]
     help: str
+    run: Callable[..., dict] | None = None  # a recipe-only stage's run; None: the registered stage of this name
+    # (built config, inputs) -> (src, cfg) of the stage's run: by default the input stage's dir and the config
+    split: Callable[[Any, Inputs], tuple[Any, Any]] = lambda built, i: (i.src, built)  # noqa: E731
+
+    def execute(self, built: Any, inputs: Inputs, out: Path, progress: bool) -> dict:
+        from t5compress.stages import stage
+
+        run = self.run or stage(self.name).runner()
+        src, cfg = self.split(built, inputs)
+        return run(src, cfg, out, force=True, progress=progress)
 
 
 # --- data ------------------------------------------------------------------------------------------------------
@@ -90,10 +100,11 @@ def data_files(spec: DataSpec, out: Path) -> tuple[str, str | None]:
     return spec.train, spec.eval
 
 
-def _run_data(spec: DataSpec, inputs: Inputs, out: Path, progress: bool) -> dict:
+def run_data(src: None, spec: DataSpec, out: Path, *, force: bool = True, progress: bool = True) -> dict:
+    """The recipe's `data` stage: generated examples, or the user's files named."""
     from t5compress.tasks import make_examples, write_jsonl
 
-    with artifacts.staged_output(out, force=True) as tmp:
+    with artifacts.staged_output(out, force) as tmp:
         if spec.generate:
             write_jsonl(tmp / "train.jsonl", make_examples(spec.train_examples, spec.seed))
             write_jsonl(tmp / "eval.jsonl", make_examples(spec.eval_examples, spec.seed + 1))
@@ -120,14 +131,15 @@ class LoadSpec:
         require(not is_local(self.model) or Path(self.model).is_dir(), "model", f"'{self.model}' is not a directory")
 
 
-def _run_load(spec: LoadSpec, inputs: Inputs, out: Path, progress: bool) -> dict:
+def run_load(src: str, spec: LoadSpec, out: Path, *, force: bool = True, progress: bool = True) -> dict:
+    """The recipe's `load` stage: a checkpoint from the Hub or a local directory, saved as a model dir."""
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
 
-    model, tokenizer = load_model(spec.model), load_tokenizer(spec.model)
-    report = {"stage": "load", "source": spec.model, "model": describe(model)}
-    with artifacts.staged_output(out, force=True) as tmp:
+    model, tokenizer = load_model(src), load_tokenizer(src)
+    report = {"stage": "load", "source": src, "model": describe(model)}
+    with artifacts.staged_output(out, force, inputs=[src]) as tmp:
         save_model_dir(model, tokenizer, tmp)
-        artifacts.write_meta(tmp, "load", dataclasses.asdict(spec), parent=spec.model)
+        artifacts.write_meta(tmp, "load", dataclasses.asdict(spec), parent=src)
         artifacts.write_report(tmp, report)
     return report
 
@@ -226,55 +238,6 @@ def _build_bench(where: str, s: dict, i: Inputs):
     return schema.build(where, BenchConfig, _defaults(s, data=i.eval))
 
 
-def _run_create(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.model import create
-
-    return create.run(cfg, out, force=True)
-
-
-def _run_train(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.train import stage as training
-
-    return training.run(str(i.src), cfg, out, force=True, progress=progress)
-
-
-def _run_qat(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.qat import stage as qat
-
-    return qat.run(str(i.src), cfg, out, force=True, progress=progress)
-
-
-def _run_prune(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.prune import run
-
-    return run(i.src, cfg, out, force=True, progress=progress)
-
-
-def _run_export(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.export import stage
-
-    return stage.run(i.src, cfg, out, force=True)
-
-
-def _run_quantize(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.quantize import run
-
-    return run(i.src, cfg, out, force=True, progress=progress)
-
-
-def _run_triton(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.triton.stage import run
-
-    return run(i.src, cfg, out, force=True)
-
-
-def _run_bench(cfg, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress import bench
-
-    return bench.run([f"{name}={path}" for name, path in zip(i.names, i.variants, strict=True)], cfg, out,
-                     force=True, progress=progress)
-
-
 @dataclass(frozen=True)
 class PretrainSpec:
     """The `pretrain` stage: its corpus (the command's SRC argument) beside the stage's own config."""
@@ -293,12 +256,6 @@ def _build_pretrain(where: str, s: dict, i: Inputs) -> PretrainSpec:
     return PretrainSpec(corpus, schema.build(where, PretrainConfig, s, {"train": TrainConfig}))
 
 
-def _run_pretrain(spec: PretrainSpec, i: Inputs, out: Path, progress: bool) -> dict:
-    from t5compress.pretrain.stage import run
-
-    return run(spec.corpus, spec.config, out, force=True, progress=progress)
-
-
 def _same(artifact: str | None) -> str:
     return MODEL
 
@@ -314,49 +271,51 @@ def _register(kind: Kind, cls: type | None = None, flatten: dict | None = None, 
 
 
 def _setup() -> None:
-    from t5compress.bench import BenchConfig
     from t5compress.data import DataConfig
-    from t5compress.export.stage import ExportConfig
-    from t5compress.model.create import CreateConfig
-    from t5compress.pretrain.stage import PretrainConfig
-    from t5compress.prune.stage import PruneConfig
     from t5compress.qat.scheme import FakeQuantConfig
-    from t5compress.qat.stage import QatConfig
-    from t5compress.quantize import QuantizeConfig
+    from t5compress.stages import stage
     from t5compress.train.loop import TrainConfig
-    from t5compress.train.stage import FinetuneConfig
-    from t5compress.triton.stage import TritonConfig
+
+    CreateConfig, PretrainConfig, FinetuneConfig, QatConfig, PruneConfig, ExportConfig, QuantizeConfig, \
+        TritonConfig, BenchConfig = (stage(n).config_class() for n in (  # noqa: N806 -- classes
+            "create", "pretrain", "train", "qat", "prune", "export", "quantize", "triton", "bench"))
 
     ft = {"data": DataConfig, "train": TrainConfig}
     none = frozenset()
-    _register(Kind("data", 0, (), none, lambda w, s, i: schema.build(w, DataSpec, s), _run_data, lambda a: DATA,
-                   summary.data_summary, "generated demo data or your data files"), DataSpec)
-    _register(Kind("create", 1, (), none, _build_create, _run_create, _same, summary.params,
-                   "a new randomly initialised T5 of a named architecture"), CreateConfig, {"data": DataConfig})
-    _register(Kind("load", 1, (), none, lambda w, s, i: schema.build(w, LoadSpec, s), _run_load, _same,
-                   summary.params,
-                   "a checkpoint from the Hub or a local directory"), LoadSpec)
-    _register(Kind("train", 2, (MODEL,), none, _build_train, _run_train, _same, summary.train_summary,
+    _register(Kind("data", 0, (), none, lambda w, s, i: schema.build(w, DataSpec, s), lambda a: DATA,
+                   summary.data_summary, "generated demo data or your data files", run=run_data,
+                   split=lambda spec, i: (None, spec)), DataSpec)
+    _register(Kind("create", 1, (), none, _build_create, _same, summary.params,
+                   "a new randomly initialised T5 of a named architecture", split=lambda cfg, i: (cfg.arch, cfg)),
+              CreateConfig, {"data": DataConfig})
+    _register(Kind("load", 1, (), none, lambda w, s, i: schema.build(w, LoadSpec, s), _same, summary.params,
+                   "a checkpoint from the Hub or a local directory", run=run_load,
+                   split=lambda spec, i: (spec.model, spec)),
+              LoadSpec)
+    _register(Kind("train", 2, (MODEL,), none, _build_train, _same, summary.train_summary,
                    "fine-tune"), FinetuneConfig, ft)
-    _register(Kind("qat", 2, (MODEL,), none, _build_qat, _run_qat, lambda a: QAT_MODEL, summary.train_summary,
+    _register(Kind("qat", 2, (MODEL,), none, _build_qat, lambda a: QAT_MODEL, summary.train_summary,
                    "quantization-aware fine-tuning"), QatConfig, {"finetune": (FinetuneConfig, ft),
                                                                  "quant": FakeQuantConfig})
-    _register(Kind("prune", 2, (MODEL,), none, _build_prune, _run_prune, _same, summary.prune_summary,
+    _register(Kind("prune", 2, (MODEL,), none, _build_prune, _same, summary.prune_summary,
                    "remove heads / FFN channels / layers, then recover"), PruneConfig, {"data": DataConfig})
-    _register(Kind("export", 4, (MODEL, QAT_MODEL), none, _build_export, _run_export,
+    _register(Kind("export", 4, (MODEL, QAT_MODEL), none, _build_export,
                    lambda a: INT8 if a == QAT_MODEL else EXPORT, summary.export_summary,
                    "ONNX or TorchScript graphs"),
               ExportConfig)
-    _register(Kind("quantize", 5, (EXPORT,), none, _build_quantize, _run_quantize, lambda a: INT8,
+    _register(Kind("quantize", 5, (EXPORT,), none, _build_quantize, lambda a: INT8,
                    summary.quantize_summary, "int8 (static or dynamic)"), QuantizeConfig)
-    _register(Kind("triton", 6, (EXPORT, INT8), none, _build_triton, _run_triton, lambda a: REPOSITORY,
+    _register(Kind("triton", 6, (EXPORT, INT8), none, _build_triton, lambda a: REPOSITORY,
                    lambda r: f"{len(r.get('models') or {})} models, {summary.mb(r.get('bytes'))}",
                    "a Triton model repository"), TritonConfig)
-    _register(Kind("bench", 7, (MODEL, QAT_MODEL, EXPORT, INT8), none, _build_bench, _run_bench, lambda a: BENCH,
-                   summary.bench_summary, "latency and accuracy of the variants"), BenchConfig,
+    _register(Kind("bench", 7, (MODEL, QAT_MODEL, EXPORT, INT8), none, _build_bench, lambda a: BENCH,
+                   summary.bench_summary, "latency and accuracy of the variants",
+                   split=lambda cfg, i: ([f"{n}={p}" for n, p in zip(i.names, i.variants, strict=True)], cfg)),
+              BenchConfig,
               extra=("variants",))
-    _register(Kind("pretrain", 1, (), frozenset(), _build_pretrain, _run_pretrain, _same, summary.train_summary,
-                   "span-corruption pre-training of a new model"), PretrainConfig, {"train": TrainConfig},
+    _register(Kind("pretrain", 1, (), frozenset(), _build_pretrain, _same, summary.train_summary,
+                   "span-corruption pre-training of a new model", split=lambda spec, i: (spec.corpus, spec.config)),
+              PretrainConfig, {"train": TrainConfig},
               extra=("corpus",))
 
 

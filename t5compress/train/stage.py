@@ -70,9 +70,9 @@ def fit_session(s: Session, cfg: FinetuneConfig, resume: bool, progress: bool = 
 
 @artifacts.claims_output
 def run(
-    src: str, cfg: FinetuneConfig, out: str | Path, force: bool = False, resume: bool = False, progress: bool = True,
-    on_step=None,
-) -> dict:
+    src: str, cfg: FinetuneConfig, out: str | Path, *, force: bool = False, progress: bool = True,
+    resume: bool = False, on_step=None,
+) -> artifacts.Report:
     """Fine-tune `src` (model dir or hub id) and write the best model to `out`. Returns the report."""
     out = artifacts.check_output(out, force, inputs=[src, cfg])
     s = open_session(src, cfg, out, force, resume)

@@ -81,7 +81,8 @@ def check_export(src: Path) -> None:
 
 
 @artifacts.claims_output
-def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, force: bool = False) -> dict:
+def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, *, force: bool = False,
+        progress: bool = True) -> artifacts.Report:
     """Write the model repository for export dir `src` to `out`; returns the report (also in `out`/report.json)."""
     src = Path(src)
     out = artifacts.check_output(out, force, inputs=[src, cfg])
