@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, ModelDir, OutDir, command, console
+from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, console, field_options, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.prune.recover import RecoverConfig as R
@@ -36,25 +36,12 @@ def _recover_cfg(data: str, eval_data: str | None, steps: int, distill: bool, te
 
 
 @command
+@with_options(field_options(P, skip=("calib_data", "eval_data", "recover")))
 def prune(
     model: ModelDir,
     out: OutDir,
     calib_data: Annotated[str, typer.Option("--calib-data", help=_h(P, "calib_data"))],
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(P, "eval_data"))] = None,
-    heads: Annotated[float, typer.Option(help=_h(P, "heads"))] = 0.0,
-    encoder_heads: Annotated[float | None, typer.Option(help=_h(P, "encoder_heads"))] = None,
-    decoder_heads: Annotated[float | None, typer.Option(help=_h(P, "decoder_heads"))] = None,
-    cross_heads: Annotated[float | None, typer.Option(help=_h(P, "cross_heads"))] = None,
-    ffn: Annotated[float, typer.Option(help=_h(P, "ffn"))] = 0.0,
-    encoder_ffn: Annotated[float | None, typer.Option(help=_h(P, "encoder_ffn"))] = None,
-    decoder_ffn: Annotated[float | None, typer.Option(help=_h(P, "decoder_ffn"))] = None,
-    encoder_layers: Annotated[int | None, typer.Option(help=_h(P, "encoder_layers"))] = None,
-    decoder_layers: Annotated[int | None, typer.Option(help=_h(P, "decoder_layers"))] = None,
-    criterion: Annotated[str, typer.Option(help=_h(P, "criterion"))] = _d(P, "criterion"),
-    schedule: Annotated[str, typer.Option(help=_h(P, "schedule"))] = _d(P, "schedule"),
-    calib_examples: Annotated[int, typer.Option(help=_h(P, "calib_examples"))] = _d(P, "calib_examples"),
-    eval_max_examples: Annotated[int, typer.Option(help=_h(P, "eval_max_examples"))] = _d(P, "eval_max_examples"),
-    latency_examples: Annotated[int, typer.Option(help=_h(P, "latency_examples"))] = _d(P, "latency_examples"),
     recover_data: Annotated[str | None, typer.Option(help="Recovery data; recovery runs when given.")] = None,
     recover_steps: Annotated[int, typer.Option(help="Recovery optimizer steps.")] = 200,
     distill: Distill = False,
@@ -67,6 +54,7 @@ def prune(
     seed: Seed = 0,
     resume: Resume = False,
     force: Force = False,
+    **opts,
 ) -> None:
     """Remove the least important attention heads, FFN channels and layers; optionally recover (and distil)."""
     run = stage("prune").runner()
@@ -75,11 +63,7 @@ def prune(
     if recover_data is not None:
         recover = _recover_cfg(recover_data, None, recover_steps, distill, None, temperature, alpha, hidden_weight,
                                lr, batch_size, eval_every, seed)
-    cfg = P(calib_data=calib_data, eval_data=eval_data, heads=heads, encoder_heads=encoder_heads,
-            decoder_heads=decoder_heads, cross_heads=cross_heads, ffn=ffn, encoder_ffn=encoder_ffn,
-            decoder_ffn=decoder_ffn, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
-            criterion=criterion, schedule=schedule, calib_examples=calib_examples,
-            eval_max_examples=eval_max_examples, latency_examples=latency_examples, recover=recover)
+    cfg = config_from(P, opts, calib_data=calib_data, eval_data=eval_data, recover=recover)
     report = run(model, cfg, Path(out), force=force, resume=resume)
     print_prune_report(report, out)
 
