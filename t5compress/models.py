@@ -163,15 +163,42 @@ def load_model(src: str | os.PathLike, dtype: Any = None):
     return model
 
 
+# What AutoTokenizer can build a T5 tokenizer from: a fast tokenizer's file, a SentencePiece model, or (ByT5) nothing
+# but a tokenizer_config.json naming the byte tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+BYTE_TOKENIZER_CLASSES = ("ByT5Tokenizer",)
+
+
 def load_tokenizer(src: str | os.PathLike):
-    """Load the tokenizer that travels with a model directory or hub checkpoint (a fast one when possible)."""
+    """Load the tokenizer that travels with a model directory or hub checkpoint (a fast one when possible).
+
+    The one place a model dir's tokenizer is loaded: a dir without tokenizer files, or with damaged ones, is a
+    one-line ModelError saying which files were looked for.
+    """
     from transformers import AutoTokenizer
 
-    kwargs = {} if is_local(src) else _hub_kwargs(str(src))
+    local = is_local(src)
+    if local:
+        _check_tokenizer_files(Path(src))
+    kwargs = {} if local else _hub_kwargs(str(src))
     try:
         return AutoTokenizer.from_pretrained(str(src), **kwargs)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers, sentencepiece and tokenizers (Rust) raise all kinds
         raise ModelError(f"cannot load the tokenizer of {str(src)!r}: {first_line(e)}") from e
+
+
+def _check_tokenizer_files(p: Path) -> None:
+    if any((p / f).is_file() for f in TOKENIZER_FILES):
+        return
+    config = p / "tokenizer_config.json"
+    try:
+        cls = json.loads(_read_bytes(config)).get("tokenizer_class") if config.is_file() else None
+    except (ValueError, AttributeError):
+        raise ModelError(f"'{config}' is not a JSON object: the tokenizer cannot be loaded") from None
+    if cls in BYTE_TOKENIZER_CLASSES:
+        return
+    looked = f"{' and '.join(TOKENIZER_FILES)}, or a tokenizer_config.json naming {'/'.join(BYTE_TOKENIZER_CLASSES)}"
+    raise ModelError(f"'{p}' has no tokenizer: looked for {looked}; copy the tokenizer files of its model")
 
 
 def _hub_kwargs(repo_id: str) -> dict[str, Any]:
