@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +11,7 @@ import typer
 
 from t5compress.cli.common import Threads, command, err_console, fail, stdin_is_piped
 from t5compress.errors import DataError
+from t5compress.textio import STDIN, argument, read_lines
 
 DEFAULT_FIELDS = ("source", "text")  # tried in order when --field is not given
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -67,6 +67,7 @@ def generate(
     from t5compress.runtime import load_runtime
 
     inputs = _collect_inputs(texts or [], input_file, field)
+    prefix = argument(prefix, "--prefix")
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
     rt = load_runtime(path, threads=threads, decoders=decoders)
@@ -106,39 +107,31 @@ def _one_line(text: str) -> str:
 
 def _collect_inputs(texts: list[str], input_file: Path | None, field: str | None) -> list[str]:
     inputs: list[str] = []
-    for t in texts:
+    for number, t in enumerate(texts, 1):
         if t == "-":
-            inputs += _read_lines(sys.stdin, "<stdin>", field, jsonl=None)
+            inputs += _read_lines(read_lines("-"), STDIN, field, jsonl=None)
         else:
-            inputs.append(t)
+            inputs.append(argument(t, f"argument {number}"))
     if input_file is not None:
-        if not input_file.is_file():
-            raise DataError(f"input file '{input_file}' does not exist")
-        with open(input_file, encoding="utf-8") as f:
-            is_jsonl = True if input_file.suffix in JSONL_SUFFIXES else None
-            inputs += _read_lines(f, str(input_file), field, jsonl=is_jsonl)
+        is_jsonl = True if input_file.suffix in JSONL_SUFFIXES else None
+        inputs += _read_lines(read_lines(input_file, "input file"), str(input_file), field, jsonl=is_jsonl)
         if not inputs:
             raise DataError(f"input file '{input_file}' holds no inputs")
     elif not texts and stdin_is_piped():
-        inputs += _read_lines(sys.stdin, "<stdin>", field, jsonl=None)
+        inputs += _read_lines(read_lines("-"), STDIN, field, jsonl=None)
     return inputs
 
 
-def _read_lines(lines: Iterable[str], name: str, field: str | None, jsonl: bool | None) -> list[str]:
+def _read_lines(lines: Iterable[tuple[int, str]], name: str, field: str | None, jsonl: bool | None) -> list[str]:
     """Non-blank lines as texts; JSON Lines when `jsonl` is True, or None and the first line starts with '{'."""
     out: list[str] = []
-    for lineno, line in _numbered(lines):
+    for lineno, line in lines:
+        if not line.strip():
+            continue
         if jsonl is None:
             jsonl = line.lstrip().startswith("{")
         out.append(_field_of(line, f"{name}:{lineno}", field) if jsonl else line)
     return out
-
-
-def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
-    for lineno, line in enumerate(lines, 1):
-        line = line.rstrip("\r\n")
-        if line.strip():
-            yield lineno, line
 
 
 def _field_of(line: str, where: str, field: str | None) -> str:
