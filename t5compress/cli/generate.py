@@ -91,8 +91,10 @@ def generate(
 
 
 def _generate_batched(rt, texts: list[str], batch_size: int, gen: dict) -> list:
-    """Batches of similar length (less padding); `TextResult`s returned in input order."""
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    """Batches of similar length (less padding); `TextResult`s returned in input order.
+
+    Longest first: a batch too large for memory is refused (runtime.limits) before any other batch has run."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
     results: list = [None] * len(texts)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
