@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from t5compress import artifacts
+from t5compress.architectures import check_overrides
 from t5compress.config import option, require
 from t5compress.data import DataConfig, load_examples
 from t5compress.models import create_model, describe, save_model_dir
@@ -28,6 +29,7 @@ class CreateConfig:
         require(self.tokenizer in TOKENIZERS, "tokenizer", f"choose one of {', '.join(TOKENIZERS)}")
         require(self.tokenizer != "unigram" or bool(self.text), "text", "a unigram tokenizer needs --text to train on")
         require(self.vocab_size > 8, "vocab_size", "must be > 8")
+        check_overrides(self.overrides, self.overrides)  # a recipe's --dry-run refuses d_model: abc too
 
 
 def run(cfg: CreateConfig, out: str | Path, force: bool = False) -> dict:
