@@ -65,12 +65,15 @@ def generate(
 ) -> None:
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
     from t5compress.runtime import load_runtime
+    from t5compress.runtime.sessions import TORCHSCRIPT_WARNING
 
     inputs = _collect_inputs(texts or [], input_file, field)
     prefix = argument(prefix, "--prefix")
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
     rt = load_runtime(path, threads=threads, decoders=decoders)
+    if rt.format == "torchscript":
+        err_console.print(f"[yellow]warning:[/yellow] {TORCHSCRIPT_WARNING}", highlight=False, soft_wrap=True)
     if max_input_tokens is not None:
         rt.max_input_tokens = max_input_tokens or None
     gen = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,

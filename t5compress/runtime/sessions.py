@@ -105,6 +105,27 @@ def load_onnx(path: str | Path, load_external_data: bool = True):
     return model
 
 
+def check_onnx(path: str | Path) -> None:
+    """A ModelError unless `path` parses as ONNX and the external data files its initializers name hold their bytes
+    (the check `t5compress info` makes without loading any weights)."""
+    p = Path(path)
+    model = load_onnx(p, load_external_data=False)
+    sizes: dict[str, int] = {}
+    for t in model.graph.initializer:
+        if not t.external_data:
+            continue
+        entry = {e.key: e.value for e in t.external_data}
+        where = p.parent / entry.get("location", "")
+        if where.name not in sizes:
+            if not where.is_file():
+                raise _damaged(p, "an ONNX", f"its weights file '{where.name}' is missing")
+            sizes[where.name] = where.stat().st_size
+        end = int(entry.get("offset") or 0) + int(entry.get("length") or 0)
+        if end > sizes[where.name]:
+            raise _damaged(p, "an ONNX", f"its weights file '{where.name}' is truncated ({sizes[where.name]:,} "
+                                         f"bytes, {end:,} needed)")
+
+
 def onnx_session(path: str | Path, sess_options=None, providers: Sequence[str] | None = None):
     """`onnxruntime.InferenceSession` behind one guard: a damaged graph file is named, not a traceback."""
     import onnxruntime as ort
@@ -119,6 +140,10 @@ def onnx_session(path: str | Path, sess_options=None, providers: Sequence[str] |
         if "INVALID_PROTOBUF" in why or "Protobuf parsing failed" in why:
             raise _damaged(p, "an ONNX", "ONNX Runtime cannot parse it") from e
         raise ModelError(f"cannot load '{p}' with ONNX Runtime: {why}") from e
+
+
+TORCHSCRIPT_WARNING = ("TorchScript export: torch.jit.load runs the code its .pt files hold; open only exports you "
+                       "trust (ONNX exports hold no code)")
 
 
 def check_torchscript(path: str | Path) -> None:
