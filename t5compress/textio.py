@@ -68,6 +68,16 @@ def read_text(path: str | os.PathLike, what: str = "file") -> str:
     return decode(data[skip:], str(path), skip)
 
 
+def check_text(value: str, where: str) -> str:
+    """`value` if UTF-8 can encode it; a lone surrogate (what a JSON escape like \\udcff or undecodable bytes become)
+    is a DataError, where a tokenizer would raise a TypeError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: not text: {value[e.start]!r} at character {e.start} is a lone surrogate") from None
+    return value
+
+
 def argument(value: str, where: str) -> str:
     """A command-line argument as it was typed: undecodable bytes (surrogate escapes) are a DataError."""
     try:

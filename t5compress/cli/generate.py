@@ -11,7 +11,7 @@ import typer
 
 from t5compress.cli.common import Threads, command, err_console, fail, stdin_is_piped
 from t5compress.errors import DataError
-from t5compress.textio import STDIN, argument, read_lines
+from t5compress.textio import STDIN, argument, check_text, read_lines
 
 DEFAULT_FIELDS = ("source", "text")  # tried in order when --field is not given
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -148,6 +148,6 @@ def _field_of(line: str, where: str, field: str | None) -> str:
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in (field,) if field else DEFAULT_FIELDS:
         if isinstance(record.get(key), str):
-            return record[key]
+            return check_text(record[key], f"{where}: field {key!r}")
     wanted = f"field {field!r}" if field else f"field {' or '.join(map(repr, DEFAULT_FIELDS))}"
     raise DataError(f"{where}: no text {wanted}; fields present: {', '.join(record) or 'none'} (set --field)")
