@@ -82,6 +82,8 @@ def d(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
     p["data"].write_text("".join(json.dumps({"source": f"s{i}", "target": f"t{i}"}) + "\n" for i in range(20)))
     p["latin1"] = base / "latin1.txt"
     p["latin1"].write_bytes("fine\ncaf\xe9 au lait\n".encode("latin-1"))
+    p["escaped"] = base / "escaped.jsonl"
+    p["escaped"].write_text('{"source": "caf\\udce9"}\n')  # a JSON escape that decodes to a lone surrogate
     p["huge"] = base / "huge.txt"
     p["huge"].write_text("word " * 60_000 + "\n")  # 300k byte tokens: TiBs of encoder attention
     p["garbage_yaml"] = base / "garbage.yaml"
@@ -141,6 +143,8 @@ CASES = [
     ("generate-latin1-stdin", "generate {export} -", "<stdin>:1: not UTF-8 text (byte 0xe9 at byte offset 3)",
      b"caf\xe9\n"),
     ("generate-latin1-argument", "generate {export} caf\udce9", "argument 1: not UTF-8 text (byte 0xe9", None),
+    ("generate-surrogate-escape", "generate {export} --input {escaped}", "escaped.jsonl:1: field 'source': not text",
+     None),
     # 5. sizes checked before anything is allocated; contradictory lengths
     ("generate-huge-input", "generate {export} --max-input-tokens 0 --input {huge}", "input tokens fit: set "
      "max_input_tokens", None),
@@ -214,6 +218,19 @@ def test_info_on_a_torchscript_dir_warns_that_loading_runs_its_code(d):
     data = json.loads(runner.invoke(app, ["info", str(d["fake_pt"]), "--json"]).stdout)
     assert data["kind"] == "torchscript export" and "torch.jit.load" in data["warnings"][0]
     assert json.loads(runner.invoke(app, ["info", str(d["export"]), "--json"]).stdout)["warnings"] == []
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.load` is deprecated:DeprecationWarning")
+def test_generate_on_a_torchscript_dir_warns_that_loading_runs_its_code(tiny_model_dir, tmp_path):
+    """10. generate on a TorchScript export: one warning line, then the output."""
+    from t5compress.export.stage import ExportConfig, run
+
+    run(tiny_model_dir, ExportConfig(format="torchscript"), tmp_path / "ts")
+    result = runner.invoke(app, ["generate", str(tmp_path / "ts"), "hello", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning:") and "torch.jit.load runs the code" in warnings[0]
+    assert len(result.stdout.splitlines()) == 1
 
 
 def _assert_one_line(result, needle: str) -> None:
