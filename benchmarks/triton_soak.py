@@ -243,8 +243,8 @@ def prepare(args, work: Path) -> tuple[Path, str]:
         return args.export_dir, f"given export {args.export_dir}"
     model_dir, what = args.model_dir, f"given model {args.model_dir}"
     if model_dir is None:
-        from t5compress.models import create_model, save_model_dir
-        from t5compress.tokenization import byte_level
+        from t5compress.model.load import create_model, save_model_dir
+        from t5compress.model.tokenization import byte_level
 
         tok = byte_level()
         model = create_model(ARCH, vocab_size=len(tok))

@@ -14,6 +14,7 @@ Any problem with the data raises one-line DataError naming the file and line (or
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from t5compress.config import option, require
 from t5compress.errors import DataError, ModelError, first_line, hub_reachable
+from t5compress.textio import numbered_lines, read_text
 
 if TYPE_CHECKING:
     import torch
@@ -114,11 +116,7 @@ def _read_json(path: Path, name: str, cfg: DataConfig) -> Iterator[Record]:
 
 def _read_jsonl(path: Path, name: str, cfg: DataConfig) -> Iterator[Record]:
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{name}:{lineno}: not UTF-8 text") from None
+        for lineno, text in numbered_lines(f, name):
             if not text.strip():
                 continue
             try:
@@ -130,10 +128,7 @@ def _read_jsonl(path: Path, name: str, cfg: DataConfig) -> Iterator[Record]:
 
 def _read_json_array(path: Path, name: str) -> Iterator[Record]:
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            records = json.load(f)
-    except UnicodeDecodeError:
-        raise DataError(f"{name}: not UTF-8 text") from None
+        records = json.loads(read_text(path, "data file"))
     except json.JSONDecodeError as e:
         raise DataError(f"{name}:{e.lineno}: invalid JSON ({e.msg})") from None
     for i, record in enumerate(records, 1):
@@ -142,7 +137,7 @@ def _read_json_array(path: Path, name: str) -> Iterator[Record]:
 
 def _read_csv(path: Path, name: str, cfg: DataConfig) -> Iterator[Record]:
     delimiter = cfg.delimiter or {".tsv": "\t"}.get(path.suffix.lower(), ",")
-    with open(path, newline="", encoding="utf-8-sig") as f:
+    with io.StringIO(read_text(path, "data file"), newline="") as f:
         reader = csv.DictReader(f, delimiter=delimiter)
         try:
             header = reader.fieldnames  # reads the header row
@@ -158,8 +153,6 @@ def _read_csv(path: Path, name: str, cfg: DataConfig) -> Iterator[Record]:
                 yield where, row
         except csv.Error as e:
             raise DataError(f"{name}:{reader.line_num}: {e}") from None
-        except UnicodeDecodeError:
-            raise DataError(f"{name}:{reader.line_num + 1}: not UTF-8 text") from None
 
 
 Reader = Callable[[Path, str, DataConfig], Iterator[Record]]

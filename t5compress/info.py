@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from t5compress import kinds
 from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
-from t5compress.errors import ModelError
+from t5compress.errors import ModelError, first_line
+from t5compress.model.load import weight_headers
+from t5compress.names import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from t5compress.runtime.sessions import TORCHSCRIPT_WARNING, check_onnx, check_torchscript
 
 _ARCH_KEYS = ("model_type", "num_layers", "num_decoder_layers", "d_model", "d_ff", "d_kv", "num_heads",
               "feed_forward_proj", "tie_word_embeddings", "vocab_size")
@@ -22,46 +24,64 @@ def _kind(p: Path) -> str:
     return {"onnx-export": "onnx export", "torchscript-export": "torchscript export"}.get(kind.name, "model")
 
 
-def _parameters(p: Path) -> int | None:
-    """Count parameters from the safetensors header only (no weights are read)."""
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
+def _parameters(p: Path, kind: str) -> int | None:
+    """Count parameters from the safetensors headers only (no weights are read)."""
+    if kind != "model":
         return None
-    total, seen = 0, set()
-    for f in files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for name, t in header.items():
-            if name == "__metadata__" or name in seen:
-                continue
-            seen.add(name)
-            count = 1
-            for d in t["shape"]:
-                count *= d
-            total += count
+    total = 0
+    for t in weight_headers(p).values():
+        count = 1
+        for d in t.get("shape") or ():
+            count *= int(d)
+        total += count
     return total
 
 
+def _check_graphs(p: Path, kind: str) -> None:
+    """Every graph file parses (ONNX, with its external data) or reads as an archive (TorchScript): a damaged export
+    is an error, not a table. Model dirs are checked by their safetensors headers (`_parameters`)."""
+    if kind == "onnx export":
+        for f in sorted(p.glob(f"*{ONNX_SUFFIX}")):
+            check_onnx(f)
+    elif kind == "torchscript export":
+        for f in sorted(p.glob(f"*{TORCHSCRIPT_SUFFIX}")):
+            check_torchscript(f)
+
+
+def _json(path: Path) -> dict | None:
+    """A JSON file of the dir (config, lineage, report), or None when absent; a damaged one is a ModelError."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path.name} in '{path.parent}' is damaged: {first_line(e)}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ModelError(f"{path.name} in '{path.parent}' is damaged: not a JSON object")
+    return data
+
+
 def inspect_dir(path: str | Path) -> dict[str, Any]:
+    """What the dir holds; a ModelError (the CLI exits 2) when a file it is made of is damaged or unreadable."""
     p = Path(path)
     if not p.is_dir():
         raise ModelError(f"'{p}' is not a directory")
     kind = _kind(p)
-    config = read_json(p / "config.json") or {}
+    config = _json(p / "config.json") or {}
     files = {f.name: f.stat().st_size for f in sorted(p.iterdir()) if f.is_file()}
-    meta = read_json(p / META_FILE)
-    report = read_json(p / REPORT_FILE) or {}
+    meta = _json(p / META_FILE)
+    report = _json(p / REPORT_FILE) or {}
+    parameters = _parameters(p, kind)
+    _check_graphs(p, kind)
     return {
         "path": str(p),
         "kind": kind,
         "architecture": {k: config[k] for k in _ARCH_KEYS if k in config},
-        "parameters": _parameters(p) or (report.get("model") or {}).get("parameters"),  # exports: from the report
+        "parameters": parameters or (report.get("model") or {}).get("parameters"),  # exports: from the report
         "size_bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()),
         "files": files,
         "lineage": None if meta is None else {"stage": meta.get("stage"), "created": meta.get("created"),
                                                "parent": meta.get("parent"), "what": _stage_help(meta.get("stage"))},
         "report": report,
+        "warnings": [TORCHSCRIPT_WARNING] if kind == "torchscript export" else [],
     }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from t5compress.artifacts import META_FILE, read_json
 from t5compress.errors import ModelError
 from t5compress.names import DECODER_MERGED, GRAPHS, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from t5compress.runtime.sessions import load_onnx
 
 URL_SCHEMES = ("http://", "https://", "grpc://")
 
@@ -72,12 +73,11 @@ def lineage(path: Path, limit: int = 12) -> list[str]:
 
 def onnx_files(path: Path, graphs: list[str]) -> list[str]:
     """The graph files plus the external-data files their initializers point at (read from the graph headers)."""
-    import onnx
 
     files = []
     for g in graphs:
         files.append(g)
-        model = onnx.load(str(path / g), load_external_data=False)
+        model = load_onnx(str(path / g), load_external_data=False)
         for t in model.graph.initializer:
             for entry in t.external_data:
                 if entry.key == "location" and entry.value not in files:
@@ -114,13 +114,8 @@ def _export(path: Path) -> dict | None:
     graphs = [f"{g}{ONNX_SUFFIX}" for g in (GRAPHS if layout == "separate" else (GRAPHS[0], DECODER_MERGED))]
     from t5compress.quantize.graphs import is_quantized
 
-    try:
-        int8 = any(is_quantized(path / g) for g in graphs)
-        files = onnx_files(path, graphs)
-    except Exception as e:  # noqa: BLE001 -- onnx raises DecodeError and friends on a damaged file
-        from t5compress.errors import first_line
-
-        raise ModelError(f"'{path}': cannot read its ONNX graphs ({type(e).__name__}: {first_line(e)[:100]})") from e
+    int8 = any(is_quantized(path / g) for g in graphs)  # load_onnx names a damaged graph file
+    files = onnx_files(path, graphs)
     label = "ONNX" + (" merged" if layout == "merged" else "")
     return {"kind": "onnx", "precision": "int8" if int8 else "fp32", "files": files, "label": label}
 

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import re
 import sys
 import typing
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from t5compress.config import default_of
 from t5compress.errors import ConfigError, T5CompressError
@@ -57,7 +59,7 @@ def command(fn):
         except T5CompressError as e:
             if _state["debug"]:
                 raise
-            err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            _print_error(str(e))
             raise typer.Exit(code=e.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("[red]interrupted[/red]")
@@ -68,8 +70,15 @@ def command(fn):
 
 def fail(message: str) -> None:
     """Report a usage problem found in the CLI layer itself."""
-    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    _print_error(message)
     raise typer.Exit(code=2)
+
+
+def _print_error(message: str) -> None:
+    """One red line, whatever the message holds: line breaks (from a library's message) become spaces, and square
+    brackets (paths, `name [split]`) are printed as they are, not read as rich markup."""
+    line = re.sub(r"\s*\n\s*", " ", message.strip())
+    err_console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 def stdin_is_piped() -> bool:

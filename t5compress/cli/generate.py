@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +11,7 @@ import typer
 
 from t5compress.cli.common import Threads, command, err_console, fail, stdin_is_piped
 from t5compress.errors import DataError
+from t5compress.textio import STDIN, argument, check_text, read_lines
 
 DEFAULT_FIELDS = ("source", "text")  # tried in order when --field is not given
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -65,11 +65,15 @@ def generate(
 ) -> None:
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
     from t5compress.runtime import load_runtime
+    from t5compress.runtime.sessions import TORCHSCRIPT_WARNING
 
     inputs = _collect_inputs(texts or [], input_file, field)
+    prefix = argument(prefix, "--prefix")
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
     rt = load_runtime(path, threads=threads, decoders=decoders)
+    if rt.format == "torchscript":
+        err_console.print(f"[yellow]warning:[/yellow] {TORCHSCRIPT_WARNING}", highlight=False, soft_wrap=True)
     if max_input_tokens is not None:
         rt.max_input_tokens = max_input_tokens or None
     gen = dict(num_beams=num_beams, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
@@ -90,8 +94,10 @@ def generate(
 
 
 def _generate_batched(rt, texts: list[str], batch_size: int, gen: dict) -> list:
-    """Batches of similar length (less padding); `TextResult`s returned in input order."""
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    """Batches of similar length (less padding); `TextResult`s returned in input order.
+
+    Longest first: a batch too large for memory is refused (runtime.limits) before any other batch has run."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]), reverse=True)
     results: list = [None] * len(texts)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
@@ -106,39 +112,31 @@ def _one_line(text: str) -> str:
 
 def _collect_inputs(texts: list[str], input_file: Path | None, field: str | None) -> list[str]:
     inputs: list[str] = []
-    for t in texts:
+    for number, t in enumerate(texts, 1):
         if t == "-":
-            inputs += _read_lines(sys.stdin, "<stdin>", field, jsonl=None)
+            inputs += _read_lines(read_lines("-"), STDIN, field, jsonl=None)
         else:
-            inputs.append(t)
+            inputs.append(argument(t, f"argument {number}"))
     if input_file is not None:
-        if not input_file.is_file():
-            raise DataError(f"input file '{input_file}' does not exist")
-        with open(input_file, encoding="utf-8") as f:
-            is_jsonl = True if input_file.suffix in JSONL_SUFFIXES else None
-            inputs += _read_lines(f, str(input_file), field, jsonl=is_jsonl)
+        is_jsonl = True if input_file.suffix in JSONL_SUFFIXES else None
+        inputs += _read_lines(read_lines(input_file, "input file"), str(input_file), field, jsonl=is_jsonl)
         if not inputs:
             raise DataError(f"input file '{input_file}' holds no inputs")
     elif not texts and stdin_is_piped():
-        inputs += _read_lines(sys.stdin, "<stdin>", field, jsonl=None)
+        inputs += _read_lines(read_lines("-"), STDIN, field, jsonl=None)
     return inputs
 
 
-def _read_lines(lines: Iterable[str], name: str, field: str | None, jsonl: bool | None) -> list[str]:
+def _read_lines(lines: Iterable[tuple[int, str]], name: str, field: str | None, jsonl: bool | None) -> list[str]:
     """Non-blank lines as texts; JSON Lines when `jsonl` is True, or None and the first line starts with '{'."""
     out: list[str] = []
-    for lineno, line in _numbered(lines):
+    for lineno, line in lines:
+        if not line.strip():
+            continue
         if jsonl is None:
             jsonl = line.lstrip().startswith("{")
         out.append(_field_of(line, f"{name}:{lineno}", field) if jsonl else line)
     return out
-
-
-def _numbered(lines: Iterable[str]) -> Iterator[tuple[int, str]]:
-    for lineno, line in enumerate(lines, 1):
-        line = line.rstrip("\r\n")
-        if line.strip():
-            yield lineno, line
 
 
 def _field_of(line: str, where: str, field: str | None) -> str:
@@ -150,6 +148,6 @@ def _field_of(line: str, where: str, field: str | None) -> str:
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in (field,) if field else DEFAULT_FIELDS:
         if isinstance(record.get(key), str):
-            return record[key]
+            return check_text(record[key], f"{where}: field {key!r}")
     wanted = f"field {field!r}" if field else f"field {' or '.join(map(repr, DEFAULT_FIELDS))}"
     raise DataError(f"{where}: no text {wanted}; fields present: {', '.join(record) or 'none'} (set --field)")

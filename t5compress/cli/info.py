@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import command, console
+from t5compress.cli.common import command, console, err_console
 
 
 @command
@@ -20,7 +20,9 @@ def info(
     from t5compress.info import inspect_dir, render
 
     data = inspect_dir(path)
-    if json_out:
+    if json_out:  # the warnings are in the JSON ("warnings"): stdout stays one JSON document
         console.print_json(json.dumps(data))
-    else:
-        render(data, console)
+        return
+    for warning in data["warnings"]:
+        err_console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False, soft_wrap=True)
+    render(data, console)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from t5compress.errors import ExportError, first_line
 from t5compress.export.tied import share_tied_weights
 from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX, USE_CACHE_BRANCH
+from t5compress.runtime.sessions import load_onnx
 
 if TYPE_CHECKING:
     import onnx
@@ -65,7 +66,6 @@ def save_onnx(proto: onnx.ModelProto, path: Path, external: bool) -> list[Path]:
 def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int, external: bool,
                  share_tied: bool = True) -> list[Path]:
     """Trace `spec`'s wrapper of `model` and write it to `path` (the package's single `torch.onnx.export` call)."""
-    import onnx
     import torch
 
     scratch = path.parent / f".{path.stem}.scratch"
@@ -90,7 +90,7 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
                 dynamo=False,
                 do_constant_folding=True,
             )
-        proto = onnx.load(str(scratch / path.name))  # pulls in external data if the exporter wrote any
+        proto = load_onnx(str(scratch / path.name))  # pulls in external data if the exporter wrote any
     except Exception as e:  # the exporter raises many types; the user needs one line naming the graph
         raise ExportError(f"ONNX export of {spec.name} failed: {first_line(e)}") from e
     finally:
@@ -253,8 +253,8 @@ def write_merged(out: Path, external: bool) -> list[Path]:
     """Build `decoder_model_merged.onnx` from the two decoder graphs already in `out`."""
     import onnx
 
-    no_past = onnx.load(str(out / f"{DECODER}{ONNX_SUFFIX}"))
-    with_past = onnx.load(str(out / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}"))
+    no_past = load_onnx(str(out / f"{DECODER}{ONNX_SUFFIX}"))
+    with_past = load_onnx(str(out / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}"))
     merged = merge_decoders(no_past, with_past)
     path = out / f"{DECODER_MERGED}{ONNX_SUFFIX}"
     files = save_onnx(merged, path, external)

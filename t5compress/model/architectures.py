@@ -8,10 +8,11 @@ dm (d_model), ff (d_ff), kv (d_kv), nh (num_heads). Example: `t5-efficient-small
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
-from t5compress.errors import ConfigError
+from t5compress.errors import ConfigError, first_line
 
 # (encoder layers, decoder layers, d_model, d_ff, d_kv, num_heads)
 _EFFICIENT_SIZES = {
@@ -93,22 +94,66 @@ def architecture(name: str, overrides: dict[str, Any] | None = None) -> dict[str
                 kwargs[fld] = value
     for k, v in (overrides or {}).items():
         kwargs[k] = v
+    check_overrides(overrides or {}, kwargs)
     return kwargs
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """Parse `key=value` strings into T5Config overrides (ints, floats, booleans and strings)."""
-    from transformers import T5Config
+# What an override may be, per kind of T5Config field (the rest must have the type of T5Config's default).
+_SIZES = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+          "relative_attention_num_buckets", "relative_attention_max_distance")
+_RATES = ("dropout_rate", "classifier_dropout")  # in [0, 1)
+_POSITIVE = ("layer_norm_epsilon", "initializer_factor")
 
-    known = set(T5Config().to_dict())
+
+def check_overrides(overrides: dict[str, Any], merged: dict[str, Any]) -> None:
+    """The one check of architecture overrides (CLI -o, recipes, pretrain): each a T5Config field of the right type
+    and range, and T5Config accepts the whole; else a ConfigError naming `overrides` and the field."""
+    if not overrides:
+        return
+    from transformers import T5Config
+    from transformers.activations import ACT2FN
+
+    defaults = T5Config().to_dict()
+    for key, value in overrides.items():
+        if key not in defaults:
+            raise ConfigError(f"overrides: {key!r} is not a T5Config field (e.g. d_model, d_ff, num_heads, d_kv)")
+        if key in _SIZES:
+            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a positive integer"
+        elif key in _RATES:
+            ok, want = _number(value) and 0 <= value < 1, "a number in [0, 1)"
+        elif key in _POSITIVE:
+            ok, want = _number(value) and value > 0, "a positive number"
+        else:
+            default = defaults[key]
+            kind = bool if isinstance(default, bool) else float if isinstance(default, float) else type(default)
+            ok = default is None or (_number(value) if kind is float else
+                                     isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
+            want = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
+        if not ok:
+            raise ConfigError(f"overrides: {key} must be {want}, got {value!r}")
+    try:
+        config = T5Config(**merged)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"overrides: T5Config refuses them: {first_line(e)}") from None
+    if config.dense_act_fn not in ACT2FN:
+        raise ConfigError(f"overrides: feed_forward_proj {config.feed_forward_proj!r} names no activation "
+                          "transformers knows (e.g. relu, gelu, gated-gelu, gated-silu)")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Parse `key=value` strings into T5Config overrides (ints, floats, booleans and strings), checked as
+    `check_overrides` checks every override."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. d_model=256")
         key, raw = (s.strip() for s in item.split("=", 1))
-        if key not in known:
-            raise ConfigError(f"override {key!r} is not a T5Config field (e.g. d_model, d_ff, num_heads, num_layers)")
         out[key] = _parse_value(raw)
+    check_overrides(out, out)  # keys, types and ranges (architecture() checks them again against the base sizes)
     return out
 
 

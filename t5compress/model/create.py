@@ -10,6 +10,7 @@ from typing import Any
 from t5compress import artifacts
 from t5compress.config import option, require
 from t5compress.data import DataConfig, load_examples
+from t5compress.model.architectures import check_overrides
 from t5compress.model.load import create_model, describe, save_model_dir
 from t5compress.model.tokenization import TOKENIZERS, new_tokenizer
 
@@ -28,6 +29,7 @@ class CreateConfig:
         require(self.tokenizer in TOKENIZERS, "tokenizer", f"choose one of {', '.join(TOKENIZERS)}")
         require(self.tokenizer != "unigram" or bool(self.text), "text", "a unigram tokenizer needs --text to train on")
         require(self.vocab_size > 8, "vocab_size", "must be > 8")
+        check_overrides(self.overrides, self.overrides)  # a recipe's --dry-run refuses d_model: abc too
 
 
 @artifacts.claims_output

@@ -13,7 +13,6 @@ loads its weights; plain `from_pretrained` refuses it (shape mismatch), as it sh
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -91,21 +90,18 @@ def has_layout(path: str | Path) -> bool:
 def load_pruned(path: str | Path, dtype=None):
     """Build a model with recorded per-layer sizes and load its safetensors weights (strictly)."""
     import torch
-    from safetensors.torch import load_file
     from transformers import T5Config, T5ForConditionalGeneration
 
     from t5compress.errors import ModelError
+    from t5compress.model.load import load_safetensors, weight_files
 
     path = Path(path)
     config = T5Config.from_pretrained(path)
     model = T5ForConditionalGeneration(config)
     apply_layout(model, getattr(config, LAYOUT_KEY))
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-        "model.safetensors"]
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(path / f)))
+    for f in weight_files(path):
+        state.update(load_safetensors(f))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
     if config.tie_word_embeddings:

@@ -6,6 +6,7 @@ Safety: weights are read from safetensors only, `trust_remote_code` is never pas
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -26,12 +27,11 @@ def check_model_dir(path: str | os.PathLike) -> Path:
         raise ModelError(f"'{p}' is not a directory")
     if not (p / "config.json").is_file():
         raise ModelError(f"'{p}' has no config.json: not a Hugging Face model directory")
-    import json
-
     try:
-        model_type = json.loads((p / "config.json").read_text()).get("model_type")
+        config = json.loads(_read_bytes(p / "config.json"))
     except ValueError as e:
-        raise ModelError(f"'{p / 'config.json'}' is not valid JSON: {e}") from None
+        raise ModelError(f"'{p / 'config.json'}' is not valid JSON: {first_line(e)}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in T5_MODEL_TYPES:
         families = ", ".join(T5_MODEL_TYPES)
         raise ModelError(f"'{p}' holds a {model_type!r} model; t5compress works on T5-family models ({families})")
@@ -42,7 +42,95 @@ def check_model_dir(path: str | os.PathLike) -> Path:
                 "(convert with model.save_pretrained(dir, safe_serialization=True))"
             )
         raise ModelError(f"'{p}' has no model.safetensors: no weights to load")
+    weight_headers(p)  # a truncated or foreign weights file is named here, not as a traceback from the loader
     return p
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model dir: model.safetensors, or the shards its index names."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if not index.is_file():
+        return [p / "model.safetensors"] if (p / "model.safetensors").exists() else []
+    try:
+        shards = sorted(set(map(str, json.loads(_read_bytes(index)).get("weight_map", {}).values())))
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ModelError(f"{index.name} in '{p}' is damaged: not a safetensors index ({first_line(e)})") from None
+    return [p / s for s in shards]
+
+
+def weight_headers(path: str | os.PathLike) -> dict[str, dict]:
+    """The tensor table of every weights file of a model dir, each file checked against its header (see
+    `safetensors_header`): the one place that reads a model dir's weights files before a loader does."""
+    headers: dict[str, dict] = {}
+    for f in weight_files(path):
+        headers.update(safetensors_header(f))
+    return headers
+
+
+def safetensors_header(file: str | os.PathLike) -> dict[str, dict]:
+    """The tensor table of a safetensors file ({name: {dtype, shape, data_offsets}}), read without the weights.
+
+    Raises a one-line ModelError when the file cannot be read (naming permission problems as such) or is damaged:
+    shorter than its header says (a truncated copy or download), or not a safetensors file at all.
+    """
+    f = Path(file)
+    try:
+        with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            if len(head) < 8:
+                raise _damaged(f, f"{size} bytes, too short to be one")
+            n = int.from_bytes(head, "little")
+            if not 0 < n <= size - 8:
+                raise _damaged(f, f"its header length ({n:,} bytes) does not fit in the file ({size:,} bytes)")
+            raw = fh.read(n)
+    except OSError as e:
+        raise _unreadable(f, e) from None
+    try:
+        header = json.loads(raw)
+    except ValueError as e:  # UnicodeDecodeError included
+        raise _damaged(f, f"its header is not JSON ({first_line(e)})") from None
+    if not isinstance(header, dict):
+        raise _damaged(f, "its header is not a table of tensors")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise _damaged(f, "its header is not a table of tensors") from None
+    if end != size - 8 - n:
+        what = "truncated" if end > size - 8 - n else "wrong size"
+        raise _damaged(f, f"{what}: its header lists {end:,} bytes of tensor data, the file holds {size - 8 - n:,}")
+    return tensors
+
+
+def _damaged(file: Path, why: str) -> ModelError:
+    return ModelError(f"{file.name} in '{file.parent}' is damaged or not a safetensors file: {why}")
+
+
+def _unreadable(file: Path, e: OSError) -> ModelError:
+    why = "permission denied" if isinstance(e, PermissionError) else (e.strerror or first_line(e))
+    return ModelError(f"cannot read {file.name} in '{file.parent}': {why}")
+
+
+def _read_bytes(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as e:
+        raise _unreadable(file, e) from None
+
+
+def load_safetensors(file: str | os.PathLike) -> dict:
+    """`safetensors.torch.load_file`, behind the header check: every direct read of a weights file goes here."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    f = Path(file)
+    safetensors_header(f)
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _damaged(f, first_line(e)) from e
 
 
 def is_local(src: str | os.PathLike) -> bool:
@@ -63,23 +151,54 @@ def load_model(src: str | os.PathLike, dtype: Any = None):
         kwargs: dict[str, Any] = {}
     else:
         kwargs = _hub_kwargs(str(src))
+    from safetensors import SafetensorError
+
     try:
         model = T5ForConditionalGeneration.from_pretrained(str(src), use_safetensors=True, dtype=dtype, **kwargs)
-    except (OSError, ValueError) as e:
+    except SafetensorError as e:  # the header passed check_model_dir, the tensor data did not
+        raise ModelError(f"model.safetensors in '{src}' is damaged or not a safetensors file: {first_line(e)}") from e
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: weights of other shapes than config.json says
         raise ModelError(f"cannot load model {str(src)!r}: {first_line(e)}") from e
     model.eval()
     return model
 
 
+# What AutoTokenizer can build a T5 tokenizer from: a fast tokenizer's file, a SentencePiece model, or (ByT5) nothing
+# but a tokenizer_config.json naming the byte tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
+BYTE_TOKENIZER_CLASSES = ("ByT5Tokenizer",)
+
+
 def load_tokenizer(src: str | os.PathLike):
-    """Load the tokenizer that travels with a model directory or hub checkpoint (a fast one when possible)."""
+    """Load the tokenizer that travels with a model directory or hub checkpoint (a fast one when possible).
+
+    The one place a model dir's tokenizer is loaded: a dir without tokenizer files, or with damaged ones, is a
+    one-line ModelError saying which files were looked for.
+    """
     from transformers import AutoTokenizer
 
-    kwargs = {} if is_local(src) else _hub_kwargs(str(src))
+    local = is_local(src)
+    if local:
+        _check_tokenizer_files(Path(src))
+    kwargs = {} if local else _hub_kwargs(str(src))
     try:
         return AutoTokenizer.from_pretrained(str(src), **kwargs)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers, sentencepiece and tokenizers (Rust) raise all kinds
         raise ModelError(f"cannot load the tokenizer of {str(src)!r}: {first_line(e)}") from e
+
+
+def _check_tokenizer_files(p: Path) -> None:
+    if any((p / f).is_file() for f in TOKENIZER_FILES):
+        return
+    config = p / "tokenizer_config.json"
+    try:
+        cls = json.loads(_read_bytes(config)).get("tokenizer_class") if config.is_file() else None
+    except (ValueError, AttributeError):
+        raise ModelError(f"'{config}' is not a JSON object: the tokenizer cannot be loaded") from None
+    if cls in BYTE_TOKENIZER_CLASSES:
+        return
+    looked = f"{' and '.join(TOKENIZER_FILES)}, or a tokenizer_config.json naming {'/'.join(BYTE_TOKENIZER_CLASSES)}"
+    raise ModelError(f"'{p}' has no tokenizer: looked for {looked}; copy the tokenizer files of its model")
 
 
 def _hub_kwargs(repo_id: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from t5compress.errors import DataError, first_line, hub_reachable
+from t5compress.textio import read_lines
 
 log = logging.getLogger(__name__)
 
@@ -83,31 +84,25 @@ def _read_file(path: Path, c: Corpus) -> Iterator[str]:
 
 
 def _read_text(path: Path) -> Iterator[str]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
-            except UnicodeDecodeError:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text") from None
-            if line:
-                yield line
+    for _, line in read_lines(path, "corpus file"):
+        if line.strip():
+            yield line.strip()
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataError(f"{path}:{lineno}: not a JSON object per line ({first_line(e)})") from None
-            if not isinstance(record, dict) or field not in record:
-                have = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"{path}:{lineno}: no field {field!r} (fields: {have or 'none'}); set --text-field")
-            if not isinstance(record[field], str):
-                raise DataError(f"{path}:{lineno}: field {field!r} is not a string")
-            yield record[field]
+    for lineno, line in read_lines(path, "corpus file"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not a JSON object per line ({first_line(e)})") from None
+        if not isinstance(record, dict) or field not in record:
+            have = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"{path}:{lineno}: no field {field!r} (fields: {have or 'none'}); set --text-field")
+        if not isinstance(record[field], str):
+            raise DataError(f"{path}:{lineno}: field {field!r} is not a string")
+        yield record[field]
 
 
 def _read_saved_dataset(path: Path, c: Corpus) -> Iterator[str]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from t5compress import artifacts
 from t5compress.config import option, require
+from t5compress.model.architectures import check_overrides
 from t5compress.model.load import describe, is_local, save_model_dir
 from t5compress.model.tokenization import TOKENIZERS
 from t5compress.pretrain.corpus import Corpus
@@ -62,6 +63,7 @@ class PretrainConfig:
         require(bool(self.text_field), "text_field", "must not be empty")
         require(self.holdout_every >= 2, "holdout_every", "must be >= 2")
         require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        check_overrides(self.overrides, self.overrides)
         require(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
         require(self.train.max_steps > 0, "max_steps", "a streamed corpus has no epochs; must be > 0")
         require(self.train.metric == "loss", "metric", "pre-training evaluates the held-out loss only; use loss")

@@ -334,14 +334,14 @@ def kept_fp32(model: nn.Module) -> list[str]:
 
 def load_fake_quant(path: str | Path, model: nn.Module) -> nn.Module:
     """Prepare `model` (loaded from the QAT dir `path`) as recorded there and load the learned scales; eval mode."""
-    from safetensors.torch import load_file
+    from t5compress.model.load import load_safetensors
 
     path = Path(path)
     try:
         info = json.loads((path / SCALES_JSON).read_text())
-        state = load_file(str(path / SCALES_FILE))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read the quantization scales in '{path}': {e}") from None
+    state = load_safetensors(path / SCALES_FILE)
     if info.get("format") != FORMAT:
         raise ModelError(f"'{path / SCALES_JSON}' is not a {FORMAT} scales file (format {info.get('format')!r})")
     cfg = FakeQuantConfig(**info["config"])

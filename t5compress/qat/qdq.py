@@ -21,6 +21,7 @@ import numpy as np
 
 from t5compress.errors import ConfigError, ExportError
 from t5compress.names import ONNX_SUFFIX
+from t5compress.runtime.sessions import load_onnx, onnx_session
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,10 @@ def quantize_graph(proto, table: dict[bytes, _Linear | _Embedding]) -> dict:
 
 
 def quantize_file(path: Path, table: dict, external: bool) -> dict:
-    import onnx
 
     from t5compress.export.onnx import save_onnx
 
-    proto = onnx.load(str(path))
+    proto = load_onnx(str(path))
     stats = quantize_graph(proto, table)
     for extra in path.parent.glob(path.name + "_data"):
         extra.unlink()  # the fp32 external data, replaced below
@@ -146,7 +146,6 @@ def ort_kernels(path: Path) -> dict[str, int]:
     """Op types of ONNX Runtime's optimised CPU graph (what the runtime runs): counts of the int8 kernels."""
     import tempfile
 
-    import onnx
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,8 +153,8 @@ def ort_kernels(path: Path) -> dict[str, int]:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # portable; ALL adds layouts
         so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         so.log_severity_level = 3
-        ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-        ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+        onnx_session(path, so)
+        ops = [n.op_type for n in load_onnx(so.optimized_model_filepath).graph.node]
     counts = {op: ops.count(op) for op in (*INT8_KERNELS, "MatMul", "QuantizeLinear", "DequantizeLinear")}
     return {k: v for k, v in counts.items() if v}
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from t5compress.errors import DataError
 from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER
+from t5compress.textio import read_lines
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,7 @@ def load_texts(src: str | Path, field: str = "source", prefix: str = "", samples
 
     path = Path(src)
     if path.suffix.lower() in TEXT_SUFFIXES:
-        if not path.is_file():
-            raise DataError(f"calibration file '{src}' does not exist")
-        texts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts = [line.strip() for _, line in read_lines(path, "calibration file") if line.strip()]
     else:
         # Only the source is needed: reading the target from the same field accepts records without one.
         cfg = DataConfig(source_field=field, target_field=field)

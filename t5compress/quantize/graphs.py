@@ -13,6 +13,8 @@ from pathlib import Path
 
 import onnx
 
+from t5compress.runtime.sessions import load_onnx
+
 # Op types that only appear in a graph once something quantized it (QDQ, QOperator or dynamic).
 QUANTIZED_OPS = frozenset({
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul",
@@ -28,7 +30,7 @@ def quantized_ops(model: onnx.ModelProto) -> set[str]:
 
 
 def is_quantized(path: Path) -> bool:
-    return bool(quantized_ops(onnx.load(str(path), load_external_data=False)))
+    return bool(quantized_ops(load_onnx(str(path), load_external_data=False)))
 
 
 def initializer_names(model: onnx.ModelProto) -> set[str]:
@@ -71,7 +73,7 @@ def untie_embeddings(src: Path, dst: Path) -> bool:
     Runtime's quantizer then quantizes that one initializer for both consumers, per output channel for the MatMul,
     which the Gather cannot take. Two int8 copies (a quarter of the fp32 bytes each) still beat one fp32 copy.
     """
-    model = onnx.load(str(src))
+    model = load_onnx(str(src))
     users: dict[str, int] = {}
     for n in model.graph.node:
         for x in n.input:
@@ -101,7 +103,7 @@ def share_lm_head_table(path: Path) -> int:
     by their own scales. On disk the tied matrix is then stored once, in int8, and no step dequantizes the whole
     table (a DequantizeLinear of the full matrix feeding the Gather made every t5-small decoder step ~6x slower).
     """
-    model = onnx.load(str(path))
+    model = load_onnx(str(path))
     inits = {t.name: t for t in model.graph.initializer}
     producers = {o: n for n in model.graph.node for o in n.output}
     users: dict[str, int] = {}

@@ -20,6 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from t5compress.quantize.graphs import FFN_OUTPUT
+from t5compress.runtime.sessions import load_onnx, onnx_session
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +61,15 @@ class ChannelMax:
     """Per-channel max |x| of the `wo` inputs, collected from real feeds through an augmented ONNX Runtime session."""
 
     def __init__(self, path: Path, pairs: list[Pair], work: Path):
-        import onnxruntime as ort
 
-        model = onnx.load(str(path))
+        model = load_onnx(str(path))
         known = {o.name for o in model.graph.output}
         for p in pairs:
             if p.wo_input not in known:
                 model.graph.output.append(onnx.helper.make_empty_tensor_value_info(p.wo_input))
         aug = work / f"{path.stem}.channels.onnx"
         onnx.save(model, str(aug))
-        self.session = ort.InferenceSession(str(aug), providers=["CPUExecutionProvider"])
+        self.session = onnx_session(aug)
         self.pairs = pairs
         self.amax: dict[str, np.ndarray] = {}
 
@@ -82,7 +82,7 @@ class ChannelMax:
 
 def smooth(path: Path, dst: Path, pairs: list[Pair], amax: dict[str, np.ndarray], alpha: float) -> dict:
     """Write the rescaled graph to `dst`; returns how far the scales spread (for the report)."""
-    model = onnx.load(str(path))
+    model = load_onnx(str(path))
     inits = {t.name: t for t in model.graph.initializer}
     spread = []
     for p in pairs:

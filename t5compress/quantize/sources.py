@@ -21,12 +21,11 @@ def untied(path: Path, work: Path) -> Path:
 
 def plan_for(path: Path, cfg, gated: bool):
     """The nodes of one graph to quantize and to keep fp32 (see `quantize.graphs`)."""
-    import onnx
-
     from t5compress.quantize.graphs import embedding_nodes, ffn_output_nodes, linear_nodes, matching
     from t5compress.quantize.methods import Plan
+    from t5compress.runtime.sessions import load_onnx
 
-    model = onnx.load(str(path), load_external_data=False)
+    model = load_onnx(str(path), load_external_data=False)
     linear_ops = tuple(t for t in cfg.op_types if t in ("MatMul", "Gemm"))
     nodes = linear_nodes(model, linear_ops) if linear_ops else []
     nodes += [n.name for n in model.graph.node if n.op_type in cfg.op_types and n.op_type not in ("MatMul", "Gemm")]
@@ -51,12 +50,11 @@ def is_gated(export_dir: Path) -> bool:
 
 def smoothed(src: Path, sources: dict[str, Path], cfg, texts: list[str], work: Path, progress: bool):
     """Measure `wo` input channels on the calibration texts, then write rescaled fp32 graphs into `work`."""
-    import onnx
-
     from t5compress.quantize.smooth import ChannelMax, ffn_pairs, smooth
     from t5compress.runtime import load_runtime
+    from t5compress.runtime.sessions import load_onnx
 
-    pairs = {g: ffn_pairs(onnx.load(str(p))) for g, p in sources.items()}
+    pairs = {g: ffn_pairs(load_onnx(str(p))) for g, p in sources.items()}
     meters = {g: ChannelMax(sources[g], pairs[g], work) for g in GRAPHS if pairs[g]}
     fp32 = load_runtime(src, threads=cfg.threads)
     drive_texts(fp32, texts, {g: [m] for g, m in meters.items()}, cfg, progress, "measuring wo inputs")

@@ -27,6 +27,7 @@ import numpy as np
 
 from t5compress.errors import ConfigError, QuantizeError, first_line
 from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
+from t5compress.runtime.sessions import load_onnx
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def fp32_nodes(path: Path, names: list[str]) -> list[str]:
     """Those of `names` still in the graph at `path` with an fp32 constant weight (linear layers, embeddings)."""
     import onnx
 
-    model = onnx.load(str(path), load_external_data=False)
+    model = load_onnx(str(path), load_external_data=False)
     floats = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     wanted = set(names)
     out = []
@@ -275,23 +276,21 @@ def _attr(graph: str) -> str:
 
 
 def _linear(path: Path) -> list[str]:
-    import onnx
 
     from t5compress.quantize.graphs import embedding_nodes, linear_nodes
 
-    model = onnx.load(str(path), load_external_data=False)
+    model = load_onnx(str(path), load_external_data=False)
     return linear_nodes(model) + embedding_nodes(model)
 
 
 def _configs(config, cfg, path: Path, plan, cands: list[tuple[str, list[str]]], feeds: int) -> list:
     """One onnx-neural-compressor StaticQuantConfig per candidate. What is not quantized is excluded by name: every
     node of the op types outside the plan or kept fp32 (an empty nodes_to_quantize would mean all of them)."""
-    import onnx
     import onnxruntime as ort
 
     methods = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
     fmt = {"qdq": "QDQ", "qoperator": "QOperator"}[cfg.format]
-    model = onnx.load(str(path), load_external_data=False)
+    model = load_onnx(str(path), load_external_data=False)
     typed = [n.name for n in model.graph.node if n.op_type in plan.op_types]
     planned = set(plan.nodes) | set(plan.exclude)
     try:

@@ -15,13 +15,18 @@ from typing import Any
 from t5compress import __version__, artifacts
 from t5compress.recipe import schema
 from t5compress.recipe.schema import RecipeError
-from t5compress.recipe.stages import DATA, KINDS, PLANNED, Inputs, Kind, data_files
+from t5compress.recipe.stages import DATA, DATA_SUFFIXES, KINDS, PLANNED, Inputs, Kind, data_files
 
 TOP_KEYS = ("name", "description", "out", "stages")
 STAGE_KEYS = ("stage", "input")
 CHAIN = "data → create | load | pretrain → train | qat | prune → export → quantize → triton → bench"
 STATE_FILE = "recipe.json"
+RESERVED_IDS = (STATE_FILE,)  # names the runner itself writes in OUT: a stage dir of that name would collide
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# The settings that name a file or folder of the user's (the data stage's own, create's text, the stages' data, a
+# pretrain corpus, a recovery teacher): each one that is a local path must exist when the recipe is validated.
+INPUT_FIELDS = ("train", "eval", "text", "train_data", "eval_data", "calib_data", "data", "corpus", "teacher")
+NESTED_KEYS = ("recover",)  # nested configs a recipe gives under their own key (the others are flattened)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ def _stage(source: str, sid: str, settings: Any, before: list[Stage], out: Path)
     where = sid
     if not _ID.match(sid):
         raise RecipeError(f"{source}: stages.{sid}: a stage id names its directory: letters, digits, '-', '_', '.'")
+    if sid.lower() in RESERVED_IDS:
+        raise RecipeError(f"{source}: stages.{sid}: '{sid}' is the file the runner keeps in OUT; name the stage "
+                          "something else")
     if not isinstance(settings, dict):
         raise RecipeError(f"{source}: {where}: expected a mapping of settings, got {settings!r}")
     settings = dict(settings)
@@ -111,6 +119,7 @@ def _stage(source: str, sid: str, settings: Any, before: list[Stage], out: Path)
                         variants=tuple(v.dir for v in variants), names=tuple(v.id for v in variants))
         settings = _interpolate(where, settings, {"${data.train}": train, "${data.eval}": evl})
         config = kind.build(where, settings, inputs)
+        _check_inputs_exist(where, config, out)
     except RecipeError as e:
         raise RecipeError(f"{source}: {e}") from None
     if kind.name == "data":
@@ -120,6 +129,35 @@ def _stage(source: str, sid: str, settings: Any, before: list[Stage], out: Path)
     if data is not None and data.id not in deps and _reads(config, (inputs.train, inputs.eval)):
         deps.insert(0, data.id)
     return Stage(sid, kind, out / sid, config, inputs, kind.produces(src.artifact if src else None), tuple(deps))
+
+
+def _check_inputs_exist(where: str, config: Any, out: Path) -> None:
+    """Every local path among the stage's INPUT_FIELDS exists, unless an earlier stage writes it (it lies in OUT)."""
+    for name, value in _input_paths(config):
+        p = Path(value).expanduser()
+        local = p.suffix.lower() in DATA_SUFFIXES or value.startswith((".", "/", "~"))
+        if local and not p.exists() and not _within(p, out):
+            raise RecipeError(f"{where}.{name}: '{value}' does not exist")
+
+
+def _input_paths(config: Any, prefix: str = ""):
+    """(key as the recipe spells it, value) of the string INPUT_FIELDS of a config and of the configs in it."""
+    if not dataclasses.is_dataclass(config):
+        return
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _input_paths(value, prefix + (f"{f.name}." if f.name in NESTED_KEYS else ""))
+        elif f.name in INPUT_FIELDS and isinstance(value, str) and value:
+            yield prefix + f.name, value
+
+
+def _within(p: Path, out: Path) -> bool:
+    try:
+        p.resolve().relative_to(out.resolve())
+    except ValueError:
+        return False
+    return True
 
 
 def _interpolate(where: str, settings: Any, values: dict[str, str | None]) -> Any:

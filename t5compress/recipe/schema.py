@@ -14,7 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from t5compress.errors import ConfigError
+from t5compress.errors import ConfigError, DataError
+from t5compress.textio import read_text
 
 
 class RecipeError(ConfigError):
@@ -42,11 +43,16 @@ def load_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise RecipeError(f"recipe '{path}' does not exist")
     try:
-        doc = yaml.load(p.read_text(), Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+        text = read_text(p, "recipe")
+    except DataError as e:  # binary garbage, or a file it cannot read
+        raise RecipeError(str(e)) from None
+    try:
+        doc = yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""
-        raise RecipeError(f"{path}: {where}not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        why = " ".join(str(getattr(e, "problem", None) or e).split())  # one line: yaml's messages span several
+        raise RecipeError(f"{path}: {where}not valid YAML ({why})") from None
     if not isinstance(doc, dict):
         raise RecipeError(f"{path}: a recipe is a mapping with name, out and stages")
     return doc

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from t5compress.errors import DataError, ModelError
+from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
@@ -95,11 +96,13 @@ class Seq2SeqRuntime:
 
     def __init__(
         self, path: str | Path, backend: Backend, tokens: SpecialTokens, defaults: dict[str, Any],
-        max_input_tokens: int | None | object = _FROM_DIR,
+        max_input_tokens: int | None | object = _FROM_DIR, shape: ModelShape | None = None,
     ):
         """`max_input_tokens`: longest input in tokens (None or 0: no limit); by default the dir's
-        tokenizer_config.json `model_max_length` (which an export sets to the length the model was trained with)."""
+        tokenizer_config.json `model_max_length` (which an export sets to the length the model was trained with).
+        `shape`: the model's sizes, for the memory check before each call (None: no check)."""
         self.path = Path(path)
+        self.shape = shape
         self.backend = backend
         self.tokens = tokens
         self.defaults = defaults  # GenerationSettings fields found in generation_config.json
@@ -148,6 +151,7 @@ class Seq2SeqRuntime:
         input_ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
         if input_ids.ndim != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise DataError(f"input_ids must be a non-empty (batch, length) array, got shape {input_ids.shape}")
+        check_fits(self.shape, input_ids.shape[0], s.num_beams, input_ids.shape[1], s.max_new_tokens)
         mask = self._mask(input_ids, attention_mask)
         hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
         decoder = CachedDecoder(self.backend, hidden, mask, s.num_beams)
@@ -236,4 +240,4 @@ def load_runtime(
     p = Path(path)
     backend = open_backend(p, threads, providers, decoders)
     tokens, defaults = read_generation_defaults(p)
-    return Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens)
+    return Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))

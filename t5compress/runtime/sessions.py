@@ -75,19 +75,99 @@ def _feeds_for(graph: Graph, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         ) from None
 
 
+def _readable(path: Path) -> None:
+    """A ModelError naming a graph file that is missing or unreadable (the loaders would say neither plainly)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        why = "permission denied" if isinstance(e, PermissionError) else (e.strerror or first_line(e))
+        raise ModelError(f"cannot read {path.name} in '{path.parent}': {why}") from None
+
+
+def _damaged(path: Path, what: str, why: str) -> ModelError:
+    return ModelError(f"{path.name} in '{path.parent}' is damaged or not {what} file: {why}")
+
+
+def load_onnx(path: str | Path, load_external_data: bool = True):
+    """`onnx.load` behind one guard: every ONNX file the package reads is parsed here, so a truncated or foreign file
+    is a one-line ModelError naming it, never a protobuf DecodeError."""
+    import onnx
+
+    p = Path(path)
+    _readable(p)
+    try:
+        model = onnx.load(str(p), load_external_data=load_external_data)
+    except Exception as e:  # protobuf's DecodeError, onnx's own errors, OSError for missing external data
+        raise _damaged(p, "an ONNX", first_line(e)) from e
+    if not model.graph.node or not model.opset_import:  # what a file cut at a field boundary parses to
+        raise _damaged(p, "an ONNX", "it holds no complete graph")
+    return model
+
+
+def check_onnx(path: str | Path) -> None:
+    """A ModelError unless `path` parses as ONNX and the external data files its initializers name hold their bytes
+    (the check `t5compress info` makes without loading any weights)."""
+    p = Path(path)
+    model = load_onnx(p, load_external_data=False)
+    sizes: dict[str, int] = {}
+    for t in model.graph.initializer:
+        if not t.external_data:
+            continue
+        entry = {e.key: e.value for e in t.external_data}
+        where = p.parent / entry.get("location", "")
+        if where.name not in sizes:
+            if not where.is_file():
+                raise _damaged(p, "an ONNX", f"its weights file '{where.name}' is missing")
+            sizes[where.name] = where.stat().st_size
+        end = int(entry.get("offset") or 0) + int(entry.get("length") or 0)
+        if end > sizes[where.name]:
+            raise _damaged(p, "an ONNX", f"its weights file '{where.name}' is truncated ({sizes[where.name]:,} "
+                                         f"bytes, {end:,} needed)")
+
+
+def onnx_session(path: str | Path, sess_options=None, providers: Sequence[str] | None = None):
+    """`onnxruntime.InferenceSession` behind one guard: a damaged graph file is named, not a traceback."""
+    import onnxruntime as ort
+
+    p = Path(path)
+    _readable(p)
+    try:
+        return ort.InferenceSession(str(p), sess_options=sess_options,
+                                    providers=list(providers or ["CPUExecutionProvider"]))
+    except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, InvalidProtobuf, ...)
+        why = first_line(e)
+        if "INVALID_PROTOBUF" in why or "Protobuf parsing failed" in why:
+            raise _damaged(p, "an ONNX", "ONNX Runtime cannot parse it") from e
+        raise ModelError(f"cannot load '{p}' with ONNX Runtime: {why}") from e
+
+
+TORCHSCRIPT_WARNING = ("TorchScript export: torch.jit.load runs the code its .pt files hold; open only exports you "
+                       "trust (ONNX exports hold no code)")
+
+
+def check_torchscript(path: str | Path) -> None:
+    """A ModelError unless `path` is a whole TorchScript archive (a zip whose central directory, at its end, reads):
+    a truncated file is named before `torch.jit.load` sees it, and without running anything it holds."""
+    import zipfile
+
+    p = Path(path)
+    _readable(p)
+    try:
+        with zipfile.ZipFile(p) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise _damaged(p, "a TorchScript", first_line(e)) from None
+    if not any(n.endswith("/data.pkl") for n in names):
+        raise _damaged(p, "a TorchScript", "a zip archive without TorchScript's data.pkl")
+
+
 class OnnxGraph:
     """An ONNX Runtime session fed only the inputs it declares, with outputs mapped by name."""
 
     def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None):
-        import onnxruntime as ort
-
         self.name = path.stem
-        try:
-            self.session = ort.InferenceSession(
-                str(path), sess_options=session_options(threads), providers=list(providers or ["CPUExecutionProvider"])
-            )
-        except Exception as e:  # onnxruntime raises its own exception types (Fail, InvalidGraph, ...)
-            raise ModelError(f"cannot load '{path}' with ONNX Runtime: {first_line(e)}") from e
+        self.session = onnx_session(path, session_options(threads), providers)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
 
@@ -156,7 +236,8 @@ class TorchScriptGraph:
 
         self.name = path.stem
         self._torch = torch
-        try:
+        check_torchscript(path)
+        try:  # runs the code the archive holds (TorchScript, not arbitrary Python): the CLI warns about it
             self.module = torch.jit.load(str(path), map_location="cpu").eval()
         except (RuntimeError, OSError, ValueError) as e:
             raise ModelError(f"cannot load '{path}' as TorchScript: {first_line(e)}") from e

@@ -40,6 +40,8 @@ class GenerationSettings:
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(self.min_new_tokens >= 0, "min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               f"{self.min_new_tokens} is more than max_new_tokens ({self.max_new_tokens}): no output satisfies both")
         _check(self.num_beams >= 1, "num_beams", f"must be >= 1, got {self.num_beams}")
         _check(self.early_stopping in (True, False, "never"), "early_stopping",
                f"must be true, false or 'never', got {self.early_stopping!r}")

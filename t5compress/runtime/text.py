@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from t5compress.errors import DataError, ModelError
+from t5compress.textio import check_text
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -176,6 +177,15 @@ def truncate(ids: list[int], limit: int | None, eos: Sequence[int]) -> list[int]
     return ids[:limit]
 
 
+def _check_texts(texts: Sequence[str]) -> None:
+    """Strings that UTF-8 can encode, so that no tokenizer fails on them with a TypeError (the CLI's readers refuse
+    them earlier, naming the file and line)."""
+    for number, t in enumerate(texts, 1):
+        if not isinstance(t, str):
+            raise DataError(f"input {number} is {type(t).__name__}, not text")
+        check_text(t, f"input {number}")
+
+
 def encode_batch(tok: TextTokenizer, texts: Sequence[str], limit: int | None, pad: int,
                  eos: Sequence[int]) -> Encoded:
     """Tokenize, truncate to `limit` tokens (None or 0: no limit) and right-pad with `pad`."""
@@ -184,6 +194,7 @@ def encode_batch(tok: TextTokenizer, texts: Sequence[str], limit: int | None, pa
     if limit is not None and limit < 0:
         raise DataError(f"max_input_tokens must be >= 1 (or 0 for no limit), got {limit}")
     limit = limit or None
+    _check_texts(texts)
     rows = tok.encode(texts)
     cut = [truncate(r, limit, eos) for r in rows]
     width = max(len(r) for r in cut)

@@ -42,12 +42,10 @@ def tensor(name: str, data_type: str, dims: Sequence[int], optional: bool = Fals
 
 def graph_tensors(onnx_path: Path, batched: bool) -> tuple[list[dict], list[dict]]:
     """The inputs and outputs of an ONNX graph as Triton tensors (dims without the batch axis when `batched`)."""
-    import onnx
 
-    try:
-        graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    except Exception as e:  # onnx raises DecodeError, OSError, ...
-        raise ModelError(f"cannot read '{onnx_path}' as ONNX: {e}") from None
+    from t5compress.runtime.sessions import load_onnx
+
+    graph = load_onnx(onnx_path, load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}
 
     def convert(values) -> list[dict]:

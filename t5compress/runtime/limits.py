@@ -1,0 +1,123 @@
+"""How much memory a generation call needs, checked before anything is allocated.
+
+Every buffer the runtime sizes from the caller's numbers (input length, max_new_tokens, beams, batch) is sized here
+first: the encoder's attention is quadratic in the input length (a 100k-token input asks ONNX Runtime for hundreds of
+GB), and the search holds (batch, beams, 1 + max_new_tokens) token arrays (max_new_tokens = 10**12 asks numpy for
+TiBs). A call that cannot fit in the memory available is refused with one line giving the number asked for and the
+largest that fits, instead of an allocation error from deep inside ONNX Runtime or numpy.
+
+The estimate is deliberately rough (fp32 everywhere, the larger intermediates only): it is meant to tell 100 GB from
+1 GB, not to plan memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from t5compress.errors import ConfigError, DataError
+
+FLOAT = 4  # bytes per activation (fp16 exports use less: the estimate errs high)
+TOKEN = 8  # int64 token ids
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of an export that decide its memory per token (from its config.json)."""
+
+    heads: int
+    d_kv: int
+    d_model: int
+    d_ff: int
+    decoder_layers: int
+    vocab: int
+
+    @classmethod
+    def read(cls, path: Path) -> ModelShape | None:
+        """The shape from `path/config.json`; None when it is missing or lacks a size (no check is made then)."""
+        try:
+            c = json.loads((path / "config.json").read_text())
+            return cls(int(c["num_heads"]), int(c["d_kv"]), int(c["d_model"]), int(c["d_ff"]),
+                       int(c.get("num_decoder_layers") or c["num_layers"]), int(c["vocab_size"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+def generation_bytes(m: ModelShape, batch: int, beams: int, input_len: int, max_new: int) -> int:
+    """About the peak memory of one generate call: encoder attention, the KV caches, the search's arrays."""
+    rows, out_len = batch * beams, max_new + 1
+    attention = (2 * batch + 1) * m.heads * input_len * input_len * FLOAT  # scores, softmax; position bias once
+    encoder = 4 * batch * input_len * max(m.d_model, m.d_ff) * FLOAT
+    cache = 2 * rows * m.decoder_layers * 2 * m.heads * m.d_kv * (input_len + out_len) * FLOAT  # in and out of a step
+    tokens = rows * out_len * TOKEN * (7 if beams > 1 else 1)  # beam search: live, candidate and finished copies
+    logits = 3 * rows * m.vocab * FLOAT
+    return attention + encoder + cache + tokens + logits
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: MemAvailable (or free pages), capped by a cgroup v2 limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            avail = min(avail, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_fits(m: ModelShape | None, batch: int, beams: int, input_len: int, max_new: int,
+               available: int | None = None) -> None:
+    """Refuse a call whose buffers cannot fit: DataError for the input's length, ConfigError for max_new_tokens."""
+    if m is None:
+        return
+    need = generation_bytes(m, batch, beams, input_len, max_new)
+    available = available_memory() if available is None else available
+    if available is None or need <= available:
+        return
+    what = f"(batch {batch}, {beams} beam{'s' if beams > 1 else ''})"
+    have = f"{_size(available)} is available"
+    if generation_bytes(m, batch, beams, input_len, 1) > available:  # the input alone is too long
+        fits = _largest(lambda n: generation_bytes(m, batch, beams, n, 1) <= available, input_len)
+        hint = (f"at most {fits:,} input tokens fit: set max_input_tokens to {fits} or less (it truncates)" if fits
+                else "not even one token fits: lower the batch size or the beams")
+        raise DataError(f"an input of {input_len:,} tokens {what} needs about {_size(need)} to encode, {have}; {hint}")
+    fits = _largest(lambda n: generation_bytes(m, batch, beams, input_len, n) <= available, max_new)
+    raise ConfigError(f"max_new_tokens: {max_new:,} new tokens {what} need about {_size(need)}, {have}; at most "
+                      f"{fits:,} fit")
+
+
+def _largest(fits, upper: int) -> int:
+    """The largest n in [0, upper] with fits(n) (fits is monotone: true up to some n)."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} EiB"
