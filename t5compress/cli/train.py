@@ -12,6 +12,7 @@ from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from,
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.data import DataConfig as D
+from t5compress.model.create import CreateConfig
 from t5compress.stages import stage
 from t5compress.train.loop import TrainConfig as T
 
@@ -22,28 +23,23 @@ Prefix = Annotated[str, typer.Option(help=_h(D, "prefix"))]
 
 
 @command
+@with_options(field_options(CreateConfig, "text", "tokenizer", "vocab_size", "seed"))
 def create(
     arch: Annotated[str, typer.Argument(help="Architecture, e.g. t5-small, flan-t5-small, t5-efficient-small-el2.")],
     out: OutDir,
-    text: Annotated[str | None, typer.Option(help="Data file whose sources and targets train the tokenizer.")] = None,
-    tokenizer: Annotated[str, typer.Option(help="unigram (SentencePiece trained on --text) or byte.")] = "unigram",
-    vocab_size: Annotated[int, typer.Option(help="Upper bound on unigram pieces.")] = 8000,
     override: Annotated[
         list[str] | None, typer.Option("--override", "-o", help="T5Config field, e.g. -o d_model=256.")
     ] = None,
     source_field: SourceField = _d(D, "source_field"),
     target_field: TargetField = _d(D, "target_field"),
-    seed: Annotated[int, typer.Option(help="Seed of the random initialisation.")] = 0,
     force: Force = False,
+    **opts,
 ) -> None:
     """Create a new, randomly initialised T5 of a named architecture, with a tokenizer, as a model directory."""
-    from t5compress.model import create
     from t5compress.model.architectures import parse_overrides
 
-    cfg = create.CreateConfig(
-        arch=arch, tokenizer=tokenizer, text=text, vocab_size=vocab_size, overrides=parse_overrides(override or []),
-        data=D(source_field=source_field, target_field=target_field), seed=seed,
-    )
+    cfg = config_from(CreateConfig, opts, arch=arch, overrides=parse_overrides(override or []),
+                      data=D(source_field=source_field, target_field=target_field))
     report = stage("create").runner()(arch, cfg, out, force=force)
     m = report["model"]
     console.print(f"created {arch}: {m['parameters']:,} parameters ({m['parameters'] / 1e6:.2f}M), "
