@@ -288,7 +288,7 @@ def test_flan_t5_small_shape_passes_by_default_where_an_absolute_tolerance_fails
     from t5compress.model.create import run as create
 
     src = tmp_path / "flan"
-    create(CreateConfig(arch="flan-t5-small", tokenizer="byte", overrides={"vocab_size": 32128}), src)
+    create(None, CreateConfig(arch="flan-t5-small", tokenizer="byte", overrides={"vocab_size": 32128}), src)
     report = _export(src, tmp_path / "onnx")  # default tolerance
     parity = report["parity"]
     assert parity["generation"]["identical"] and all(w["ratio"] <= 1 for w in parity["worst"].values())

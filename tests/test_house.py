@@ -118,3 +118,12 @@ def test_every_folder_says_what_it_is(folder):
     init = PACKAGE / "__init__.py" if folder == "t5compress" else PACKAGE / folder / "__init__.py"
     doc = ast.get_docstring(ast.parse(init.read_text()))
     assert doc and doc.splitlines()[0].strip(), f"{init} has no one-line docstring"
+
+
+def test_the_runtime_imports_only_what_a_triton_repository_ships_with_it():
+    from t5compress.triton.repository import RUNTIME_FILES
+
+    shipped = {f"t5compress.{f.removesuffix('.py')}" for f in RUNTIME_FILES if f != "__init__.py"}
+    outside = sorted({f"{m} -> {t}" for m, tree in MODULES.items() if m.startswith("t5compress.runtime")
+                      for t, _ in _imports(tree) if not any(t == s or t.startswith(s + ".") for s in shipped)})
+    assert outside == []
