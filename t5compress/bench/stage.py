@@ -26,6 +26,7 @@ from t5compress.bench.config import BenchConfig
 from t5compress.bench.inputs import Inputs, build
 from t5compress.bench.variants import Variant, resolve_all
 from t5compress.errors import ConfigError, first_line
+from t5compress.progress import Reporter
 
 log = logging.getLogger(__name__)
 WORKER = "t5compress.bench.worker"
@@ -76,12 +77,11 @@ def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = Fals
                 v.settings["tokenizer"] = str(inputs.tokenizer_dir)
         (tmp / "logs").mkdir()
         inputs.save(tmp / "inputs.npz")
-        with _Bar(progress) as bar:
-            peers, skipped = prepare_peers(cfg, base, tmp, bar) if base else ([], {})
-            measured = [*entries, *peers]
-            if cfg.edge:
-                measured.sort(key=lambda v: v.precision != "int8")
-            results = {v.name: measure(v, cfg, inputs, tmp, bar) for v in measured}
+        peers, skipped = prepare_peers(cfg, base, tmp, progress) if base else ([], {})
+        measured = [*entries, *peers]
+        if cfg.edge:
+            measured.sort(key=lambda v: v.precision != "int8")
+        results = {v.name: measure(v, cfg, inputs, tmp, progress) for v in measured}
         (tmp / "inputs.npz").unlink()
         report = reporting.assemble(cfg, measured, results, inputs, skipped, first, out, tmp)
         report["seconds"] = round(time.perf_counter() - started, 1)
@@ -97,44 +97,45 @@ def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = Fals
     return report
 
 
-def prepare_peers(cfg: BenchConfig, base: Variant, tmp: Path, bar: _Bar) -> tuple[list[Variant], dict[str, str]]:
+def prepare_peers(cfg: BenchConfig, base: Variant, tmp: Path, progress: bool = True
+                  ) -> tuple[list[Variant], dict[str, str]]:
     """Each asked-for peer prepared into tmp/peers/NAME (here, else under cfg.peer_python); reasons for the rest."""
     from t5compress.bench.peers import REGISTRY
 
     peers, skipped = [], {}
     (tmp / "peers").mkdir()
-    task = bar.add("preparing peers", len(cfg.peer_names))
-    for name in cfg.peer_names:
-        peer = REGISTRY[name]
-        settings = {**peer.settings, **locked_settings(cfg)}
-        if name == "pytorch":  # the baseline is the first PyTorch variant itself, run with transformers' generate
-            base.settings.update(settings)
-            base.label = f"{base.label} (peer: transformers generate)"
-            bar.advance(task)
-            continue
-        dest, info, why = tmp / "peers" / name, None, []
-        for python in dict.fromkeys(p for p in (sys.executable, cfg.peer_python) if p):
-            rc, timed_out, info = _spawn(python, ["prepare", name, str(base.path), str(dest)], tmp, f"prepare-{name}",
-                                         cfg.timeout_s, lambda e: None)
-            if info and "missing" not in info and rc == 0:
-                break
-            why.append(f"{Path(python).parent.parent.name or python}: " + (
-                info["missing"] if info and "missing" in info else
-                f"timed out after {cfg.timeout_s} s" if timed_out else
-                f"preparation failed: {_last_error(tmp / 'logs' / f'prepare-{name}.log')}"))
-            info = None
-        bar.advance(task)
-        if info is None:
-            skipped[name] = "; ".join(why) + ("" if cfg.peer_python else " (give --peer-python, e.g. "
-                                                                          ".venv-bench/bin/python)")
-            continue
-        if info.get("settings"):
-            settings.update(info["settings"])
-        if info.get("note"):
-            settings["prepared"] = info["note"]
-        peers.append(Variant(name=name, path=dest, kind=peer.kind, precision=peer.precision, label=peer.label,
-                             role="peer", owner="peer", lineage=["peer"], files=info["files"], settings=settings,
-                             python=None if python == sys.executable else python))
+    with Reporter("bench", len(cfg.peer_names), unit="peer", what="preparing peers", enabled=progress) as bar:
+        for name in cfg.peer_names:
+            peer = REGISTRY[name]
+            settings = {**peer.settings, **locked_settings(cfg)}
+            if name == "pytorch":  # the baseline is the first PyTorch variant itself, run with transformers' generate
+                base.settings.update(settings)
+                base.label = f"{base.label} (peer: transformers generate)"
+                bar.update(info=name)
+                continue
+            dest, info, why = tmp / "peers" / name, None, []
+            for python in dict.fromkeys(p for p in (sys.executable, cfg.peer_python) if p):
+                rc, timed_out, info = _spawn(python, ["prepare", name, str(base.path), str(dest)], tmp,
+                                             f"prepare-{name}", cfg.timeout_s, lambda e: None)
+                if info and "missing" not in info and rc == 0:
+                    break
+                why.append(f"{Path(python).parent.parent.name or python}: " + (
+                    info["missing"] if info and "missing" in info else
+                    f"timed out after {cfg.timeout_s} s" if timed_out else
+                    f"preparation failed: {_last_error(tmp / 'logs' / f'prepare-{name}.log')}"))
+                info = None
+            bar.update(info=name)
+            if info is None:
+                skipped[name] = "; ".join(why) + ("" if cfg.peer_python else " (give --peer-python, e.g. "
+                                                                              ".venv-bench/bin/python)")
+                continue
+            if info.get("settings"):
+                settings.update(info["settings"])
+            if info.get("note"):
+                settings["prepared"] = info["note"]
+            peers.append(Variant(name=name, path=dest, kind=peer.kind, precision=peer.precision, label=peer.label,
+                                 role="peer", owner="peer", lineage=["peer"], files=info["files"], settings=settings,
+                                 python=None if python == sys.executable else python))
     return peers, skipped
 
 
@@ -143,7 +144,7 @@ def locked_settings(cfg: BenchConfig) -> dict:
             "output_tokens": f"{cfg.output_tokens} forced (min_new_tokens = max_new_tokens)", "do_sample": False}
 
 
-def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, bar: _Bar) -> dict:
+def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, progress: bool = True) -> dict:
     """One worker process for `v`; its result, or {'error': one line} when it crashed or ran out of time."""
     job = {"variant": {"kind": v.kind, "path": str(v.path), "settings": v.settings}, "threads": list(cfg.threads),
            "batch_sizes": list(cfg.batch_sizes), "beams": list(cfg.beams), "output_tokens": cfg.output_tokens,
@@ -152,16 +153,16 @@ def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, bar: _Bar) 
     job_file = tmp / "logs" / f"{v.name}.job.json"
     job_file.write_text(json.dumps(job))
     total = len(cfg.threads) * len(cfg.batch_sizes) * len(cfg.beams) + 1
-    task = bar.add(f"{v.name}", total)
 
-    def on_event(e: dict) -> None:
-        if e.get("event") == "progress":
-            bar.update(task, e["done"], f"{v.name}: {e.get('what', '')}")
+    with Reporter("bench", total, unit="cell", what=v.name, enabled=progress) as bar:
+        def on_event(e: dict) -> None:
+            if e.get("event") == "progress":
+                bar.update(done=e["done"], what=f"{v.name}: {e.get('what', '')}")
 
-    rc, timed_out, result = _spawn(v.python or sys.executable, ["measure", str(job_file)], tmp, v.name,
-                                   cfg.timeout_s, on_event)
+        rc, timed_out, result = _spawn(v.python or sys.executable, ["measure", str(job_file)], tmp, v.name,
+                                       cfg.timeout_s, on_event)
+        bar.update(done=total)
     job_file.unlink()
-    bar.update(task, total, v.name)
     if timed_out:
         return {"error": f"timed out after {cfg.timeout_s} s (--timeout-s)"}
     if rc != 0 or result is None:
@@ -211,34 +212,3 @@ def _last_error(log_file: Path) -> str:
         if log_file.is_file() else []
     errors = [x for x in lines if ("Error" in x or "Exception" in x) and not x.startswith(("File ", "Traceback"))]
     return first_line(Exception((errors or lines or ["no output"])[-1]))[:200]
-
-
-class _Bar:
-    """A rich progress bar, one line per variant; a no-op without progress."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.progress = enabled, None
-
-    def __enter__(self) -> _Bar:
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn())
-            self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.progress:
-            self.progress.__exit__(*exc)
-
-    def add(self, what: str, total: int):
-        return self.progress.add_task(what, total=total) if self.progress else None
-
-    def advance(self, task) -> None:
-        if self.progress:
-            self.progress.advance(task)
-
-    def update(self, task, done: int, what: str) -> None:
-        if self.progress:
-            self.progress.update(task, completed=done, description=what)

@@ -43,8 +43,19 @@ Seed = Annotated[int, typer.Option("--seed", help="Random seed.")]
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False,
+    progress: Annotated[str | None, typer.Option(
+        "--progress", help="How long work shows progress: auto (a bar on a terminal, else a plain line every few "
+        "seconds), bar, lines or off. Default: $T5COMPRESS_PROGRESS, else auto.")] = None,
+    progress_every: Annotated[float | None, typer.Option(
+        "--progress-every", min=0, help="Seconds between two progress lines. Default: "
+        "$T5COMPRESS_PROGRESS_EVERY, else 10.")] = None,
 ) -> None:
+    from t5compress import progress as reporting
+
     _state["debug"] = debug
+    if progress is not None and progress.lower() not in reporting.MODES:
+        fail(f"--progress: choose one of {', '.join(reporting.MODES)}, not {progress!r}")
+    reporting.configure(progress and progress.lower(), progress_every)
     level = logging.INFO if verbose or debug else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 

@@ -177,7 +177,7 @@ def run(
     saved_rate = _set_dropout(model, cfg.dropout)
     train = _resolved(cfg.train)
     summary = fit(model, tokenizer, stream, evalset, train, work, resume, loss_fn=span_loss, progress=progress,
-                  on_step=on_step)
+                  on_step=on_step, label="pretrain", lower_with="--batch-size, --inputs-length, --max-steps")
     _set_dropout(model, saved_rate)
     from t5compress.train.checkpoint import load_best
 

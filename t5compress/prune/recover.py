@@ -53,7 +53,8 @@ def recover_model(model, tokenizer, teacher, cfg: RecoverConfig, work: Path, res
     max_new = cfg.train.eval_max_new_tokens or max(len(x) for x in eval_enc.labels)
     loss_fn = distill_loss(teacher, cfg.kd) if cfg.distill else None
     summary = fit(model, tokenizer, train_enc, EvalSet(eval_ex, eval_enc, max_new), cfg.train, work, resume,
-                  loss_fn=loss_fn, progress=progress, on_step=on_step)
+                  loss_fn=loss_fn, progress=progress, on_step=on_step, label="recover",
+                  lower_with="--batch-size, --recover-steps (recover: --steps)")
     best = load_best(work, model)
     return {"train": summary, "best": best and {k: v for k, v in best.items() if k != "samples"},
             "distill": dataclasses.asdict(cfg.kd) if cfg.distill else None, "data": stats}

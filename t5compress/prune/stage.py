@@ -95,14 +95,13 @@ def _snapshot(model, tokenizer, eval_ex, cfg: PruneConfig) -> dict:
 
 def _prune(model, tokenizer, calib_ex, cfg: PruneConfig, targets, progress: bool):
     """Score the units on the calibration batches, plan what to keep, and shrink `model` in place; the plan."""
+    from t5compress.progress import Reporter
     from t5compress.prune import schedule
 
     batches = calibration_batches(model, tokenizer, calib_ex, cfg)
-    if progress:
-        from rich.progress import track
-
-        batches = track(batches, description=f"scoring ({cfg.criterion})", transient=True)
-    scores = SCORES[cfg.criterion](model, batches)
+    with Reporter("prune", len(batches), unit="batch", what=f"scoring ({cfg.criterion})", enabled=progress,
+                  transient=True) as bar:
+        scores = SCORES[cfg.criterion](model, bar.track(batches))
     plan = SCHEDULES[cfg.schedule](model, scores, targets)
     schedule.apply_plan(model, plan)
     return plan

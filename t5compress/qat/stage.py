@@ -52,7 +52,7 @@ def run(
     prepare(s.model, cfg.quant)
     calibrate(s.model, _calibration_batches(s, cfg))
     calibrated = _evaluate(s, cfg) if s.is_main else None
-    result = fit_session(s, cfg.finetune, resume, progress, on_step)
+    result = fit_session(s, cfg.finetune, resume, progress, on_step, label="qat")
     if not s.is_main:
         return {"stage": "qat", **result}
     sizes = weight_bytes(s.model)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from t5compress import artifacts
 from t5compress.names import GRAPHS, ONNX_SUFFIX
+from t5compress.progress import Reporter
 
 KEEP_AUTO, KEEP_NONE = "auto", "none"
 
@@ -66,14 +67,8 @@ def smoothed(src: Path, sources: dict[str, Path], cfg, texts: list[str], work: P
 
 
 def drive_texts(runtime, texts: list[str], sinks: dict, cfg, progress: bool, what: str) -> dict[str, int]:
-    """Generate on `texts` with the fp32 `runtime`, feeding what each graph sees to its `sinks`; a bar on request."""
+    """Generate on `texts` with the fp32 `runtime`, feeding what each graph sees to its `sinks`, showing progress."""
     from t5compress.quantize.calibrate import drive
 
-    if not progress:
-        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
-        task = bar.add_task(what, total=len(texts))
-        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens,
-                     progress=lambda n: bar.advance(task, n))
+    with Reporter("quantize", len(texts), unit="text", what=what, enabled=progress, transient=True) as bar:
+        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens, progress=bar.update)

@@ -27,6 +27,7 @@ import numpy as np
 
 from t5compress.errors import ConfigError, QuantizeError, first_line
 from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
+from t5compress.progress import Reporter
 from t5compress.runtime.sessions import load_onnx
 
 log = logging.getLogger(__name__)
@@ -260,15 +261,9 @@ def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, 
 
 @contextmanager
 def _status(show: bool):
-    """A transient one-line rich status (what is being tuned, the last trial's result), or nothing."""
-    if not show:
-        yield lambda text: None
-        return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
-        task = bar.add_task("tuning", total=None)
-        yield lambda text: bar.update(task, description=text)
+    """A one-line status (what is being tuned, the last trial's result): `status(text)` shows `text`."""
+    with Reporter("quantize", what="tuning", enabled=show, transient=True) as bar:
+        yield lambda text: bar.update(0, what=text)
 
 
 def _attr(graph: str) -> str:

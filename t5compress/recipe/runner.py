@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from t5compress import artifacts
 from t5compress.errors import OutputError
+from t5compress.progress import Reporter
 from t5compress.recipe.plan import STATE_FILE, Recipe, Stage, plan, read_state
 
 log = logging.getLogger(__name__)
@@ -28,32 +29,42 @@ def run(recipe: Recipe, force: bool = False, progress: bool = True,
     state.update({"recipe": recipe.name, "source": recipe.source})
     started = time.perf_counter()
     reports: dict[str, dict] = {}
-    for n, (stage, row) in enumerate(zip(recipe.stages, rows, strict=True), start=1):
-        if on_stage is not None:
-            on_stage(stage, row, n, len(rows))
-        if row["action"] == "skip":
-            reports[stage.id] = artifacts.read_json(stage.dir / artifacts.REPORT_FILE) or {}
-            old = state["stages"].get(stage.id, {})
-            row.update(seconds=old.get("seconds"), summary=old.get("summary", ""))
-            continue
-        log.info("stage %s (%s) → %s: %s", stage.id, stage.kind.name, stage.dir, row["why"])
-        # a failure below leaves the stage marked unfinished: the next run redoes it (its dir is still this recipe's)
-        state["stages"][stage.id] = {**state["stages"].get(stage.id, {}), "kind": stage.kind.name,
-                                     "dir": str(stage.dir), "unfinished": True}
-        _save(recipe, state)
-        t0 = time.perf_counter()
-        report = stage.kind.execute(stage.config, stage.inputs, stage.dir, progress)
-        seconds = round(time.perf_counter() - t0, 1)
-        summary = _summary(stage, report)
-        row.update(seconds=seconds, summary=summary)
-        reports[stage.id] = report
-        state["stages"][stage.id] = {k: row[k] for k in ("fingerprint", "settings", "files", "deps", "version")} | {
-            "kind": stage.kind.name, "dir": str(stage.dir), "seconds": seconds, "summary": summary}
-        _save(recipe, state)
+    # on a terminal the caller announces each stage (on_stage); in a log, a line per stage says where the run is
+    with Reporter("run", len(rows), unit="stage", enabled=progress, bar=False, eta=False) as bar:
+        for n, (stage, row) in enumerate(zip(recipe.stages, rows, strict=True), start=1):
+            if on_stage is not None:
+                on_stage(stage, row, n, len(rows))
+            if row["action"] == "skip":
+                reports[stage.id] = artifacts.read_json(stage.dir / artifacts.REPORT_FILE) or {}
+                old = state["stages"].get(stage.id, {})
+                row.update(seconds=old.get("seconds"), summary=old.get("summary", ""))
+                bar.update(done=n, info=f"{stage.id} skipped ({row['why']})")
+                continue
+            bar.note(f"stage {n}/{len(rows)}: {stage.id} ({stage.kind.name}) → {stage.dir}")
+            reports[stage.id] = _run_stage(recipe, state, stage, row, progress)
+            bar.update(done=n, info=f"{stage.id} done in {row['seconds']} s ({row['summary']})", force=True)
     return {"recipe": recipe.name, "source": recipe.source, "out": str(recipe.out), "stages": rows,
             "ran": [r["id"] for r in rows if r["action"] == "run"],
             "skipped": [r["id"] for r in rows if r["action"] == "skip"],
             "seconds": round(time.perf_counter() - started, 1), "reports": reports}
+
+
+def _run_stage(recipe: Recipe, state: dict, stage: Stage, row: dict, progress: bool) -> dict:
+    """Run one stage, keeping OUT/recipe.json up to date; its report (`row` gets its time and key numbers)."""
+    log.info("stage %s (%s) → %s: %s", stage.id, stage.kind.name, stage.dir, row["why"])
+    # a failure below leaves the stage marked unfinished: the next run redoes it (its dir is still this recipe's)
+    state["stages"][stage.id] = {**state["stages"].get(stage.id, {}), "kind": stage.kind.name,
+                                 "dir": str(stage.dir), "unfinished": True}
+    _save(recipe, state)
+    t0 = time.perf_counter()
+    report = stage.kind.execute(stage.config, stage.inputs, stage.dir, progress)
+    seconds = round(time.perf_counter() - t0, 1)
+    summary = _summary(stage, report)
+    row.update(seconds=seconds, summary=summary)
+    state["stages"][stage.id] = {k: row[k] for k in ("fingerprint", "settings", "files", "deps", "version")} | {
+        "kind": stage.kind.name, "dir": str(stage.dir), "seconds": seconds, "summary": summary}
+    _save(recipe, state)
+    return report
 
 
 def _summary(stage: Stage, report: dict) -> str:

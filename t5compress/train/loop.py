@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from t5compress.config import choose, option, require
 from t5compress.data import Encoded, Example, batch_order, collate
 from t5compress.errors import ConfigError
+from t5compress.progress import Reporter, first_step_cost, memory_total, peak_rss
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ SCHEDULES: dict[str, Callable[[int, int, int], float]] = {
 }
 PRECISIONS = ("auto", "fp32", "bf16")
 BEST_METRICS = ("loss", "exact_match", "rougeL", "bleu")
+TRAIN_COST_OPTIONS = "--batch-size, --max-steps, --max-source-length"  # what makes a fine-tuning run cheaper
 
 
 @dataclass(frozen=True)
@@ -236,8 +238,14 @@ def fit(
     loss_fn: Callable | None = None,
     progress: bool = True,
     on_step: Callable[[dict], None] | None = None,
+    label: str = "train",
+    lower_with: str = TRAIN_COST_OPTIONS,
 ) -> dict:
-    """Train `model` in place; checkpoints go to `workdir`. Returns the training summary and evaluation history."""
+    """Train `model` in place; checkpoints go to `workdir`. Returns the training summary and evaluation history.
+
+    `label` names the run in its progress lines; `lower_with` names the options that make it cheaper, said after the
+    first step when the run looks long or memory-heavy for this machine.
+    """
     from t5compress.train import checkpoint as ckpt
     from t5compress.train.evaluation import token_loss
 
@@ -246,17 +254,21 @@ def fit(
     acc, state = run.acc, run.state
     save_every = cfg.save_every or cfg.eval_every or run.steps
     t0, start_step = time.perf_counter(), state["step"]
-    with _Progress(progress and acc.is_main_process, run.steps, state["step"]) as bar:
+    with Reporter(label, run.steps, state["step"], unit="step", enabled=progress and acc.is_main_process) as bar:
         while state["step"] < run.steps:
+            t_step = time.perf_counter()
             loss_sum = _step(run, cfg, loss_fn)
             step, lr = state["step"], run.scheduler.get_last_lr()[0]
+            if step == start_step + 1 and acc.is_main_process:
+                _first_step_cost(run, time.perf_counter() - t_step, bar, label, lower_with)
             elapsed = time.perf_counter() - t0
-            bar.advance(loss_sum, lr, run.seen * acc.num_processes / elapsed, run.tokens * acc.num_processes / elapsed)
+            bar.update(info=_step_info(loss_sum, lr, run.seen * acc.num_processes / elapsed,
+                                       run.tokens * acc.num_processes / elapsed))
             stop = False
             if evalset is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == run.steps):
                 stop = _evaluate(acc, run.model, tokenizer, evalset, cfg, state, workdir, lr)
                 if acc.is_main_process:
-                    bar.note(state["history"][-1])
+                    bar.note(_eval_note(state["history"][-1]))
             if acc.is_main_process and (step % save_every == 0 or stop or step == run.steps):
                 ckpt.save_checkpoint(workdir, acc.unwrap_model(run.model), run.optimizer, run.scheduler, state)
             acc.wait_for_everyone()
@@ -266,6 +278,32 @@ def fit(
                 log.info("early stopping at step %d: no improvement in %d evaluations", step, cfg.patience)
                 break
     return _summary(run, cfg, time.perf_counter() - t0, start_step if resume else None)
+
+
+def _step_info(loss: float, lr: float, rate: float, token_rate: float) -> str:
+    return f"loss {loss:.4g} lr {lr:.1e} {rate:.1f} ex/s {token_rate:,.0f} tok/s"
+
+
+def _eval_note(entry: dict) -> str:
+    shown = {k: entry[k] for k in ("step", "loss", "exact_match", "rougeL", "bleu") if k in entry}
+    return "eval " + "  ".join(f"{k} {v}" for k, v in shown.items())
+
+
+def _first_step_cost(run: _Run, seconds: float, bar: Reporter, label: str, lower_with: str) -> None:
+    """Say what the run will cost here, measured on its first step: a warning when it is long or memory-heavy."""
+    import torch
+
+    gpu = None
+    if run.acc.device.type == "cuda":
+        gpu = (torch.cuda.max_memory_allocated(run.acc.device),
+               torch.cuda.get_device_properties(run.acc.device).total_memory)
+    steps = run.steps - run.state["step"] + 1
+    text, heavy = first_step_cost(seconds, steps, peak_rss(), memory_total(), gpu)
+    if heavy:
+        log.warning("%s is long or memory-heavy for this machine: %s (the first step includes warm-up); "
+                    "lower it with %s", label, text, lower_with)
+    else:
+        bar.note(text)
 
 
 def _start(model, tokenizer, train: Encoded | BatchStream, cfg: TrainConfig, workdir: Path, resume: bool) -> _Run:
@@ -368,36 +406,3 @@ def _evaluate(
         flag = acc.reduce(torch.tensor([int(stop)], device=acc.device), reduction="sum")
         stop = bool(flag.item())
     return stop
-
-
-class _Progress:
-    """A rich progress bar with loss, learning rate and throughput (or nothing, when disabled)."""
-
-    def __init__(self, enabled: bool, total: int, done: int) -> None:
-        self.enabled, self.total, self.done = enabled, total, done
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=False,
-            )
-            self.bar.__enter__()
-            self.task = self.bar.add_task("train", total=self.total, completed=self.done, info="")
-        return self
-
-    def advance(self, loss: float, lr: float, rate: float, token_rate: float) -> None:
-        if self.enabled:
-            self.bar.update(self.task, advance=1,
-                            info=f"loss {loss:.4f}  lr {lr:.2e}  {rate:.1f} ex/s  {token_rate:,.0f} tok/s")
-
-    def note(self, entry: dict) -> None:
-        if self.enabled:
-            shown = {k: entry[k] for k in ("step", "loss", "exact_match", "rougeL", "bleu") if k in entry}
-            self.bar.console.print("eval " + "  ".join(f"{k} {v}" for k, v in shown.items()), highlight=False)
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self.bar.__exit__(*exc)

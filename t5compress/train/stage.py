@@ -61,10 +61,11 @@ def open_session(src: str, cfg: FinetuneConfig, out: Path, force: bool, resume: 
                    procs.is_main_process)
 
 
-def fit_session(s: Session, cfg: FinetuneConfig, resume: bool, progress: bool = True, on_step=None) -> dict:
+def fit_session(s: Session, cfg: FinetuneConfig, resume: bool, progress: bool = True, on_step=None,
+                label: str = "train") -> dict:
     """Train through the shared loop; on the main process, load the best checkpoint into `s.model`."""
     summary = fit(s.model, s.tokenizer, s.train, s.evalset, cfg.train, s.work, resume, progress=progress,
-                  on_step=on_step)
+                  on_step=on_step, label=label)
     return {"train": summary, "eval": _load_best(s.model, s.work) if s.is_main else None}
 
 
