@@ -8,7 +8,7 @@ from typing import Any
 from t5compress import kinds
 from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
 from t5compress.errors import ModelError, first_line
-from t5compress.model.load import weight_headers
+from t5compress.model.weights import weight_headers
 from t5compress.names import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 from t5compress.runtime.sessions import TORCHSCRIPT_WARNING, check_onnx, check_torchscript
 

@@ -93,7 +93,7 @@ def load_pruned(path: str | Path, dtype=None):
     from transformers import T5Config, T5ForConditionalGeneration
 
     from t5compress.errors import ModelError
-    from t5compress.model.load import load_safetensors, weight_files
+    from t5compress.model.weights import load_safetensors, weight_files
 
     path = Path(path)
     config = T5Config.from_pretrained(path)

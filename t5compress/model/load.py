@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from t5compress.errors import ModelError, first_line, hub_reachable
+from t5compress.kinds import WEIGHTS
+from t5compress.model.weights import read_bytes, weight_headers
 
 log = logging.getLogger(__name__)
 
 T5_MODEL_TYPES = ("t5", "mt5", "umt5")
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def check_model_dir(path: str | os.PathLike) -> Path:
@@ -28,14 +29,14 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     if not (p / "config.json").is_file():
         raise ModelError(f"'{p}' has no config.json: not a Hugging Face model directory")
     try:
-        config = json.loads(_read_bytes(p / "config.json"))
+        config = json.loads(read_bytes(p / "config.json"))
     except ValueError as e:
         raise ModelError(f"'{p / 'config.json'}' is not valid JSON: {first_line(e)}") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in T5_MODEL_TYPES:
         families = ", ".join(T5_MODEL_TYPES)
         raise ModelError(f"'{p}' holds a {model_type!r} model; t5compress works on T5-family models ({families})")
-    if not any((p / f).is_file() for f in _WEIGHT_FILES):
+    if not any((p / f).is_file() for f in WEIGHTS):
         if (p / "pytorch_model.bin").is_file():
             raise ModelError(
                 f"'{p}' has only pytorch_model.bin; t5compress loads safetensors only "
@@ -44,93 +45,6 @@ def check_model_dir(path: str | os.PathLike) -> Path:
         raise ModelError(f"'{p}' has no model.safetensors: no weights to load")
     weight_headers(p)  # a truncated or foreign weights file is named here, not as a traceback from the loader
     return p
-
-
-def weight_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a model dir: model.safetensors, or the shards its index names."""
-    p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if not index.is_file():
-        return [p / "model.safetensors"] if (p / "model.safetensors").exists() else []
-    try:
-        shards = sorted(set(map(str, json.loads(_read_bytes(index)).get("weight_map", {}).values())))
-    except (ValueError, AttributeError, TypeError) as e:
-        raise ModelError(f"{index.name} in '{p}' is damaged: not a safetensors index ({first_line(e)})") from None
-    return [p / s for s in shards]
-
-
-def weight_headers(path: str | os.PathLike) -> dict[str, dict]:
-    """The tensor table of every weights file of a model dir, each file checked against its header (see
-    `safetensors_header`): the one place that reads a model dir's weights files before a loader does."""
-    headers: dict[str, dict] = {}
-    for f in weight_files(path):
-        headers.update(safetensors_header(f))
-    return headers
-
-
-def safetensors_header(file: str | os.PathLike) -> dict[str, dict]:
-    """The tensor table of a safetensors file ({name: {dtype, shape, data_offsets}}), read without the weights.
-
-    Raises a one-line ModelError when the file cannot be read (naming permission problems as such) or is damaged:
-    shorter than its header says (a truncated copy or download), or not a safetensors file at all.
-    """
-    f = Path(file)
-    try:
-        with open(f, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            head = fh.read(8)
-            if len(head) < 8:
-                raise _damaged(f, f"{size} bytes, too short to be one")
-            n = int.from_bytes(head, "little")
-            if not 0 < n <= size - 8:
-                raise _damaged(f, f"its header length ({n:,} bytes) does not fit in the file ({size:,} bytes)")
-            raw = fh.read(n)
-    except OSError as e:
-        raise _unreadable(f, e) from None
-    try:
-        header = json.loads(raw)
-    except ValueError as e:  # UnicodeDecodeError included
-        raise _damaged(f, f"its header is not JSON ({first_line(e)})") from None
-    if not isinstance(header, dict):
-        raise _damaged(f, "its header is not a table of tensors")
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    try:
-        end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise _damaged(f, "its header is not a table of tensors") from None
-    if end != size - 8 - n:
-        what = "truncated" if end > size - 8 - n else "wrong size"
-        raise _damaged(f, f"{what}: its header lists {end:,} bytes of tensor data, the file holds {size - 8 - n:,}")
-    return tensors
-
-
-def _damaged(file: Path, why: str) -> ModelError:
-    return ModelError(f"{file.name} in '{file.parent}' is damaged or not a safetensors file: {why}")
-
-
-def _unreadable(file: Path, e: OSError) -> ModelError:
-    why = "permission denied" if isinstance(e, PermissionError) else (e.strerror or first_line(e))
-    return ModelError(f"cannot read {file.name} in '{file.parent}': {why}")
-
-
-def _read_bytes(file: Path) -> bytes:
-    try:
-        return file.read_bytes()
-    except OSError as e:
-        raise _unreadable(file, e) from None
-
-
-def load_safetensors(file: str | os.PathLike) -> dict:
-    """`safetensors.torch.load_file`, behind the header check: every direct read of a weights file goes here."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    f = Path(file)
-    safetensors_header(f)
-    try:
-        return load_file(str(f))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _damaged(f, first_line(e)) from e
 
 
 def is_local(src: str | os.PathLike) -> bool:
@@ -192,7 +106,7 @@ def _check_tokenizer_files(p: Path) -> None:
         return
     config = p / "tokenizer_config.json"
     try:
-        cls = json.loads(_read_bytes(config)).get("tokenizer_class") if config.is_file() else None
+        cls = json.loads(read_bytes(config)).get("tokenizer_class") if config.is_file() else None
     except (ValueError, AttributeError):
         raise ModelError(f"'{config}' is not a JSON object: the tokenizer cannot be loaded") from None
     if cls in BYTE_TOKENIZER_CLASSES:

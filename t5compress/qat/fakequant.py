@@ -334,7 +334,7 @@ def kept_fp32(model: nn.Module) -> list[str]:
 
 def load_fake_quant(path: str | Path, model: nn.Module) -> nn.Module:
     """Prepare `model` (loaded from the QAT dir `path`) as recorded there and load the learned scales; eval mode."""
-    from t5compress.model.load import load_safetensors
+    from t5compress.model.weights import load_safetensors
 
     path = Path(path)
     try:

@@ -42,7 +42,7 @@ def save_weights(model, directory: Path) -> None:
 
 
 def load_weights(model, directory: Path) -> None:
-    from t5compress.model.load import safetensors_header
+    from t5compress.model.weights import safetensors_header
 
     safetensors_header(directory / "model.safetensors")  # a damaged checkpoint is one line, not a traceback
     safetensors.torch.load_model(model, str(directory / "model.safetensors"))
