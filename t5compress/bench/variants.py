@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from t5compress import kinds
 from t5compress.artifacts import META_FILE, read_json
 from t5compress.errors import ModelError
 from t5compress.names import DECODER_MERGED, GRAPHS, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
@@ -88,8 +89,7 @@ def onnx_files(path: Path, graphs: list[str]) -> list[str]:
 def _pytorch(path: Path) -> dict | None:
     from t5compress.model.load import check_model_dir
 
-    if not (path / "config.json").is_file() or not ((path / "model.safetensors").is_file()
-                                                    or (path / "model.safetensors.index.json").is_file()):
+    if not (path / "config.json").is_file() or not kinds.is_model_dir(path):
         return None
     check_model_dir(path)  # a non-T5 model dir gets its own line
     if (path / "model.safetensors").is_file():
