@@ -142,9 +142,7 @@ def test_export_quantize_and_generate_work_on_the_trimmed_dir(trimmed, tmp_path)
     from t5compress.quantize import run as quantize
     from t5compress.runtime import load_runtime
 
-    src, out, _ = trimmed
-    if load_model(src).config.tie_word_embeddings:
-        pytest.skip("the untied case covers the export chain")
+    _, out, _ = trimmed
     rep = export(out, ExportConfig(), tmp_path / "onnx", progress=False)  # raises unless ONNX matches PyTorch
     assert rep["model"]["vocab_size"] < 150 and rep["parity"]
     quantize(tmp_path / "onnx", QuantizeConfig(mode="dynamic", min_agreement=0.0), tmp_path / "int8",
@@ -243,3 +241,28 @@ def test_cli_prunes_the_vocabulary_and_refuses_a_byte_tokenizer(trimmed, tiny_mo
     r = runner.invoke(app, ["prune", str(tiny_model_dir), str(tmp_path / "bad"), "--vocab", str(demo_jsonl)])
     assert r.exit_code != 0 and "byte-level" in r.output and "Traceback" not in r.output
     assert check_trimmable(load_tokenizer(src)) is None
+
+
+def test_a_dir_with_spiece_model_loses_it_and_keeps_its_segmentation(demo_jsonl, tmp_path):
+    """Real T5 checkpoints carry spiece.model beside tokenizer.json (and add_prefix_space, which would rebuild the
+    fast tokenizer from it): the trimmed dir drops it rather than ship a file of the old vocabulary."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer, T5Tokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_corpus()), model_writer=model, vocab_size=300,
+                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   hard_vocab_limit=False, minloglevel=2)
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "spiece.model").write_bytes(model.getvalue())
+    T5Tokenizer(vocab_file=str(slow / "spiece.model"), legacy=False).save_pretrained(slow)
+    src = build_tiny_t5(tmp_path / "model", tokenizer=AutoTokenizer.from_pretrained(slow))
+    assert (src / "spiece.model").is_file() and (src / "tokenizer.json").is_file()
+    run(src, PruneConfig(vocab=str(demo_jsonl), **FAST), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "spiece.model").exists()
+    old, new = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert len(new) < len(old) / 2
+    assert all(new.tokenize(t) == old.tokenize(t) for t in _texts())

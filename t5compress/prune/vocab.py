@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SENTINEL = re.compile(r"<extra_id_\d+>")
 # Files a model dir may carry for a slow tokenizer: after trimming they would describe the old vocabulary.
-SLOW_TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model")
+SLOW_TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "added_tokens.json")
 
 
 def tokenizer_kind(tokenizer) -> str:
@@ -196,6 +196,9 @@ def _rewrite_configs(tmp: Path, kept: set[str], id_map: dict[int, int]) -> None:
     """Drop removed tokens from tokenizer_config.json and special_tokens_map.json; renumber added_tokens_decoder."""
     cfg_file, map_file = tmp / "tokenizer_config.json", tmp / "special_tokens_map.json"
     cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    # add_prefix_space makes T5TokenizerFast convert from spiece.model, which is gone; tokenizer.json's Metaspace
+    # pre-tokenizer already carries it.
+    cfg.pop("add_prefix_space", None)
     cfg["added_tokens_decoder"] = {str(id_map[int(i)]): t for i, t in cfg.get("added_tokens_decoder", {}).items()
                                    if int(i) in id_map}
     extra = [t for t in cfg.get("additional_special_tokens", []) if _content(t) in kept]
