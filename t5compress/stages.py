@@ -44,7 +44,7 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("train", "t5compress.train.stage", "FinetuneConfig", "model", "model", "fine-tune on text-to-text data"),
     StageSpec("qat", "t5compress.qat.stage", "QatConfig", "model", "qat-model", "quantization-aware fine-tuning"),
     StageSpec("prune", "t5compress.prune.stage", "PruneConfig", "model", "model",
-              "remove heads, FFN channels and layers, then recover"),
+              "remove heads, FFN channels, layers and unused vocabulary, then recover"),
     StageSpec("recover", "t5compress.prune.recover", "RecoverConfig", "model", "model",
               "recovery fine-tuning of a pruned model"),
     StageSpec("export", "t5compress.export.stage", "ExportConfig", "model", "onnx-export",

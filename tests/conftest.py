@@ -12,15 +12,16 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def build_tiny_t5(path: Path, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random T5 with a byte tokenizer to `path` (safetensors, like any model directory)."""
+def build_tiny_t5(path: Path, seed: int = 0, tokenizer=None, **overrides) -> Path:
+    """Save a tiny random T5 with `tokenizer` (default: a byte tokenizer) to `path` (safetensors, like any model
+    directory)."""
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
     from t5compress.model.load import save_model_dir
     from t5compress.model.tokenization import byte_level
 
-    tok = byte_level()
+    tok = tokenizer if tokenizer is not None else byte_level()
     kwargs = dict(vocab_size=len(tok), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
     kwargs.update(overrides)

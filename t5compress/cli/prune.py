@@ -40,7 +40,7 @@ def _recover_cfg(data: str, eval_data: str | None, steps: int, distill: bool, te
 def prune(
     model: ModelDir,
     out: OutDir,
-    calib_data: Annotated[str, typer.Option("--calib-data", help=_h(P, "calib_data"))],
+    calib_data: Annotated[str | None, typer.Option("--calib-data", help=_h(P, "calib_data"))] = None,
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(P, "eval_data"))] = None,
     recover_data: Annotated[str | None, typer.Option(help="Recovery data; recovery runs when given.")] = None,
     recover_steps: Annotated[int, typer.Option(help="Recovery optimizer steps.")] = 200,
@@ -56,7 +56,8 @@ def prune(
     force: Force = False,
     **opts,
 ) -> None:
-    """Remove the least important attention heads, FFN channels and layers; optionally recover (and distil)."""
+    """Remove the least important attention heads, FFN channels and layers, and the pieces a task never uses;
+    optionally recover (and distil)."""
     run = stage("prune").runner()
 
     recover = None
@@ -112,7 +113,9 @@ def print_prune_report(report: dict, out: Path | str) -> None:
     cols = [("before", report["before"]), ("pruned", report["after_pruning"])]
     if report.get("after_recovery"):
         cols.append(("recovered", report["after_recovery"]))
-    t = Table(title=f"prune ({report['schedule']}, {report['criterion']})", title_justify="left")
+    how = [report["schedule"], report["criterion"]] if report.get("kept") else []
+    how += ["vocabulary"] if report.get("vocab") else []
+    t = Table(title=f"prune ({', '.join(how)})", title_justify="left")
     t.add_column("")
     for name, _ in cols:
         t.add_column(name, justify="right")
@@ -132,5 +135,16 @@ def print_prune_report(report: dict, out: Path | str) -> None:
     for key, label in labels.items():
         t.add_row(label, *(cell(r, key) for _, r in cols))
     console.print(t)
+    if report.get("vocab"):
+        console.print(vocab_line(report["vocab"]))
     kind = "plain Hugging Face dir" if report["plain"] else "per-layer sizes in config.json (load with t5compress)"
     console.print(f"{kind} → [bold]{out}[/bold]")
+
+
+def vocab_line(v: dict) -> str:
+    """One line on the vocabulary trim: pieces, parameters and MB around it, and how much segmentation changed."""
+    b, a, seg = v["before"], v["after"], v["segmentation_changed"]
+    return (f"vocabulary: {b['pieces']:,} → {a['pieces']:,} pieces ({v['kept']['used_by_data']:,} used by the data); "
+            f"parameters {b['parameters']:,} → {a['parameters']:,}, MB {b['bytes'] / 2**20:.2f} → "
+            f"{a['bytes'] / 2**20:.2f}; data tokens segmented differently: {seg['changed']:,} of {seg['tokens']:,} "
+            f"({100 * seg['share']:.2f}%)")

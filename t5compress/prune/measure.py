@@ -24,9 +24,10 @@ def size(model) -> dict:
 
 
 @torch.no_grad()
-def latency_ms(models: list, tokenizer, examples: list[Example], cfg: DataConfig, new_tokens: int,
+def latency_ms(models: list, tokenizers: list, examples: list[Example], cfg: DataConfig, new_tokens: int,
                repeat: int = 3) -> list[float | None]:
-    """Median ms of greedy `generate` at batch 1 with exactly `new_tokens` new tokens, per model.
+    """Median ms of greedy `generate` at batch 1 with exactly `new_tokens` new tokens, per model (each reading the
+    examples through its own tokenizer: vocabulary pruning renumbers the pieces).
 
     The models take turns on every example (after one warm-up call each), so that a load change on a shared
     machine hits them alike; before/after numbers measured minutes apart are not comparable.
@@ -35,16 +36,16 @@ def latency_ms(models: list, tokenizer, examples: list[Example], cfg: DataConfig
 
     if not examples:
         return [None] * len(models)
-    enc = encode(examples, tokenizer, cfg)
+    encoded = [encode(examples, tokenizer, cfg).input_ids for tokenizer in tokenizers]
     times: list[list[float]] = [[] for _ in models]
-    for i, ids in enumerate([enc.input_ids[0]] + enc.input_ids * repeat):
-        x = torch.tensor([ids])
+    for step, k in enumerate([0] + list(range(len(examples))) * repeat):  # example 0 first: the warm-up
         for j, model in enumerate(models):
+            x = torch.tensor([encoded[j][k]])
             model.eval()
             t0 = time.perf_counter()
             model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, num_beams=1, **generate_kwargs(model))
-            if i:
+            if step:
                 times[j].append(1000 * (time.perf_counter() - t0))
     return [round(statistics.median(t), 2) for t in times]
 

@@ -69,6 +69,24 @@ def teacher_of(src: str | Path, cfg: RecoverConfig) -> str:
     return parent
 
 
+def aligned_teacher(teacher_dir: str | Path, tokenizer):
+    """The teacher model; when the student's vocabulary was pruned, the teacher's trimmed to the same pieces, so that
+    their logits line up for distillation."""
+    from t5compress.model.load import load_model, load_tokenizer
+    from t5compress.prune.vocab import trim_vocab
+
+    teacher, own = load_model(teacher_dir), load_tokenizer(teacher_dir)
+    if own.get_vocab() == tokenizer.get_vocab():
+        return teacher
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    vocab = own.get_vocab()
+    ids = [vocab.get(p) for p in pieces]
+    if None in ids or ids != sorted(ids):
+        raise ConfigError(f"distill: the teacher '{teacher_dir}' has another vocabulary than the student (not a "
+                          "trimmed copy of it); pass a --teacher with the student's tokenizer")
+    return trim_vocab(teacher, own, ids)[0]
+
+
 @artifacts.claims_output
 def run(src: str | Path, cfg: RecoverConfig, out: str | Path, *, force: bool = False, progress: bool = True,
         resume: bool = False, on_step=None) -> artifacts.Report:
@@ -79,7 +97,7 @@ def run(src: str | Path, cfg: RecoverConfig, out: str | Path, *, force: bool = F
 
     out = artifacts.check_output(out, force, inputs=[src, cfg])
     model, tokenizer = load_model(src), load_tokenizer(src)
-    teacher = load_model(teacher_of(src, cfg)) if cfg.distill else None
+    teacher = aligned_teacher(teacher_of(src, cfg), tokenizer) if cfg.distill else None
     work = prepare_workdir(out, cfg, force, resume)
     _, eval_ex, _ = load_splits(cfg.data, cfg.eval_data, cfg.data_cfg)
     eval_ex = eval_ex[: cfg.train.eval_max_examples]

@@ -2,8 +2,11 @@
 
     run(src, PruneConfig(calib_data=..., heads=0.5, ffn=0.5), out) -> report
 
+    run(src, PruneConfig(vocab="task.jsonl"), out)   # keep only the pieces the task's texts use
+
 The report (report.json) gives parameters, bytes and PyTorch generation latency before and after, and the task
-metric before pruning, right after it, and after recovery (when `recover` is set).
+metric before pruning, right after it, and after recovery (when `recover` is set); with `vocab`, its `vocab` section
+gives the pieces kept, the sizes around the trim and the share of the data's tokens segmented differently.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def _ratio(value: float | None, name: str) -> None:
 
 @dataclass(frozen=True)
 class PruneConfig:
-    calib_data: str = option(help="Calibration data (any format `train` reads); a held-out share measures the metric.")
+    calib_data: str | None = option(None, "Calibration data (any format `train` reads); a held-out share measures "
+                                          "the metric (default: the --vocab data).")
     eval_data: str | None = option(None, "Data the task metric is measured on; default: held out of calib data.")
     heads: float = option(0.0, "Share of attention heads removed (self and cross), in [0, 1).")
     encoder_heads: float | None = option(None, "Share of encoder self-attention heads removed (default: --heads).")
@@ -52,6 +56,14 @@ class PruneConfig:
     eval_max_examples: int = option(200, "Examples the task metric is measured on.")
     latency_examples: int = option(5, "Examples timed with PyTorch generate at batch 1 (0: skip latency).")
     latency_new_tokens: int = option(16, "Tokens generated per timed example.")
+    vocab: str | None = option(None, "Trim the vocabulary to the pieces this data's sources and targets use (any "
+                                     "format `train` reads), plus special and single-character pieces.")
+    vocab_size: int | None = option(None, "Keep exactly this many pieces: the mandatory ones, then the most frequent "
+                                          "in --vocab data (may change its segmentation).")
+    vocab_keep: str | None = option(None, "File of pieces kept whatever the data, one per line (as the tokenizer "
+                                          "spells them, e.g. ▁word).")
+    vocab_keep_sentinels: bool = option(False, "Keep all <extra_id_*> sentinels, not only those --vocab data uses "
+                                               "(for further span-corruption training).")
     data: DataConfig = dataclasses.field(default_factory=DataConfig, metadata={"help": "How records are read."})
     recover: RecoverConfig | None = dataclasses.field(
         default=None, metadata={"help": "Recovery fine-tuning after pruning (None: none)."})
@@ -69,6 +81,17 @@ class PruneConfig:
         require(self.eval_max_examples >= 1, "eval_max_examples", "must be >= 1")
         require(self.latency_examples >= 0, "latency_examples", "must be >= 0")
         require(self.latency_new_tokens >= 1, "latency_new_tokens", "must be >= 1")
+        require(bool(self.calib_data or self.vocab), "calib_data", "give calibration data, or --vocab data to trim "
+                                                                   "the vocabulary only")
+        for name in ("vocab_size", "vocab_keep", "vocab_keep_sentinels"):
+            require(not getattr(self, name) or bool(self.vocab), name, "needs --vocab data")
+        require(self.vocab_size is None or self.vocab_size >= 1, "vocab_size", "must be >= 1")
+
+    @property
+    def structural(self) -> bool:
+        """Whether heads, FFN channels or layers are pruned (without --vocab, the stage always scores and plans)."""
+        ratios = self.targets().ratios.values()
+        return any(ratios) or self.encoder_layers is not None or self.decoder_layers is not None or not self.vocab
 
     def targets(self) -> Targets:
         pick = lambda v, default: default if v is None else v  # noqa: E731
@@ -107,6 +130,43 @@ def _prune(model, tokenizer, calib_ex, cfg: PruneConfig, targets, progress: bool
     return plan
 
 
+def _vocab_plan(tokenizer, cfg: PruneConfig) -> dict:
+    """Read the --vocab data and choose the ids to keep, before any heavy work, so that bad input fails first."""
+    from t5compress.data import load_examples
+    from t5compress.prune import vocab
+
+    vocab.check_trimmable(tokenizer)
+    examples = load_examples(cfg.vocab, cfg.data)
+    keep_pieces = _read_pieces(cfg.vocab_keep) if cfg.vocab_keep else []
+    counts = vocab.pieces_used(tokenizer, examples, cfg.data.prefix)
+    mandatory = vocab.mandatory_ids(tokenizer, sentinels=cfg.vocab_keep_sentinels, keep_pieces=keep_pieces)
+    keep = vocab.plan_vocab(tokenizer, counts, mandatory, cfg.vocab_size)
+    reasons = {"used_by_data": len(set(keep) & set(counts)), **{k: len(v) for k, v in mandatory.items()}}
+    return {"examples": examples, "keep": keep, "reasons": reasons}
+
+
+def _read_pieces(path: str) -> list[str]:
+    """The pieces of a --vocab-keep file, one a line (blank lines skipped)."""
+    from t5compress.textio import read_lines
+
+    return [text.strip() for _, text in read_lines(path, "--vocab-keep file") if text.strip()]
+
+
+def _trim_vocab(model, tokenizer, job: dict, cfg: PruneConfig):
+    """Trim `model` in place to the ids `job` keeps; the new tokenizer and the report's `vocab` section."""
+    from t5compress.prune import measure, vocab
+
+    before = {"pieces": len(tokenizer), **measure.size(model)}
+    model, trimmed, _ = vocab.trim_vocab(model, tokenizer, job["keep"])
+    after = {"pieces": len(trimmed), **measure.size(model)}
+    seg = vocab.segmentation_changed(tokenizer, trimmed, vocab.task_texts(job["examples"], cfg.data.prefix))
+    if seg["changed"]:
+        log.warning("%d of %d tokens of the --vocab data are segmented differently after trimming", seg["changed"],
+                    seg["tokens"])
+    return trimmed, {"data": cfg.vocab, "vocab_size": cfg.vocab_size, "sentinels": cfg.vocab_keep_sentinels,
+                     "kept": job["reasons"], "before": before, "after": after, "segmentation_changed": seg}
+
+
 @artifacts.claims_output
 def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, force: bool = False,
         progress: bool = True, resume: bool = False, on_step=None) -> artifacts.Report:
@@ -119,13 +179,14 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, for
         raise ConfigError("resume: only a recovery can be resumed; give the same --recover-data as the first run")
     out = artifacts.check_output(out, force, inputs=[src, cfg])
     model, tokenizer = load_model(src), load_tokenizer(src)
-    calib_ex, eval_ex, data_stats = load_splits(cfg.calib_data, cfg.eval_data, cfg.data)
+    job = _vocab_plan(tokenizer, cfg) if cfg.vocab else None
+    calib_ex, eval_ex, data_stats = load_splits(cfg.calib_data or cfg.vocab, cfg.eval_data, cfg.data)
     eval_ex = eval_ex[: cfg.eval_max_examples]
-    lat_ex = eval_ex[: cfg.latency_examples]
     targets = cfg.targets()
-    from t5compress.prune.importance import magnitude
+    if cfg.structural:
+        from t5compress.prune.importance import magnitude
 
-    SCHEDULES[cfg.schedule](model, magnitude(model), targets)  # rejects impossible ratios before any heavy work
+        SCHEDULES[cfg.schedule](model, magnitude(model), targets)  # rejects impossible ratios before heavy work
     work = None
     if cfg.recover is not None:
         from t5compress.train.checkpoint import prepare_workdir
@@ -134,20 +195,24 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, for
     started = time.perf_counter()
     before = _snapshot(model, tokenizer, eval_ex, cfg)
     unpruned = copy.deepcopy(model) if cfg.latency_examples or (cfg.recover and cfg.recover.distill) else None
-    plan = _prune(model, tokenizer, calib_ex, cfg, targets, progress)
+    plan = _prune(model, tokenizer, calib_ex, cfg, targets, progress) if cfg.structural else None
+    untrimmed, vocab_report = tokenizer, None
+    if job is not None:
+        tokenizer, vocab_report = _trim_vocab(model, tokenizer, job, cfg)
     pruned = _snapshot(model, tokenizer, eval_ex, cfg)
     before["latency_ms"], pruned["latency_ms"] = measure.latency_ms(
-        [unpruned, model], tokenizer, lat_ex, cfg.data, cfg.latency_new_tokens)
+        [unpruned, model], [untrimmed, tokenizer], eval_ex[: cfg.latency_examples], cfg.data, cfg.latency_new_tokens)
     log.info("pruned: %d -> %d parameters", before["parameters"], pruned["parameters"])
     report = {
         "stage": "prune", "criterion": cfg.criterion, "schedule": cfg.schedule, "targets": targets.ratios,
-        "plain": units.is_plain(model), "kept": schedule.summary(plan), "model": describe(model), "data": data_stats,
-        "before": before, "after_pruning": pruned, "after_recovery": None, "recovery": None,
+        "plain": units.is_plain(model), "kept": plan and schedule.summary(plan), "model": describe(model),
+        "data": data_stats, "before": before, "after_pruning": pruned, "after_recovery": None, "recovery": None,
+        "vocab": vocab_report,
     }
     if cfg.recover is not None:
         from t5compress.prune.recover import recover_model
 
-        teacher = unpruned if cfg.recover.distill else None
+        teacher = _teacher(unpruned, untrimmed, job) if cfg.recover.distill else None
         report["recovery"] = recover_model(model, tokenizer, teacher, cfg.recover, work, resume, progress, on_step)
         report["after_recovery"] = {**pruned, **_snapshot(model, tokenizer, eval_ex, cfg)}  # same shapes, new metric
     report["eval"] = (report["after_recovery"] or pruned)["eval"]  # what `t5compress info` shows
@@ -163,3 +228,10 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, for
     return report
 
 
+def _teacher(unpruned, tokenizer, job: dict | None):
+    """The distillation teacher: the unpruned model, its vocabulary trimmed like the student's so logits align."""
+    if job is None:
+        return unpruned
+    from t5compress.prune.vocab import trim_vocab
+
+    return trim_vocab(unpruned, tokenizer, job["keep"])[0]

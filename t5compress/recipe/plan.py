@@ -24,8 +24,10 @@ STATE_FILE = "recipe.json"
 RESERVED_IDS = (STATE_FILE,)  # names the runner itself writes in OUT: a stage dir of that name would collide
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # The settings that name a file or folder of the user's (the data stage's own, create's text, the stages' data, a
-# pretrain corpus, a recovery teacher): each one that is a local path must exist when the recipe is validated.
-INPUT_FIELDS = ("train", "eval", "text", "train_data", "eval_data", "calib_data", "data", "corpus", "teacher")
+# pretrain corpus, a recovery teacher, prune's vocabulary data and keep list): each one that is a local path must
+# exist when the recipe is validated.
+INPUT_FIELDS = ("train", "eval", "text", "train_data", "eval_data", "calib_data", "data", "corpus", "teacher", "vocab",
+                "vocab_keep")
 NESTED_KEYS = ("recover",)  # nested configs a recipe gives under their own key (the others are flattened)
 
 
