@@ -160,8 +160,8 @@ def lock_file(out: Path) -> Path:
 
 def _lock(out: Path) -> None:
     path = lock_file(out)
-    if path in _held:
-        return
+    if path in _held or int(os.environ.get("RANK", "0") or 0) != 0:
+        return  # under `accelerate launch` / torchrun only rank 0 writes outputs, and it holds the claim
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

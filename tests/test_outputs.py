@@ -196,6 +196,21 @@ def test_a_held_claim_refuses_a_second_writer_and_a_dead_one_is_taken_over(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == [".o2.abcd1234.tmp", "o"]
 
 
+def test_only_rank_0_of_a_distributed_run_claims_the_output(tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    code = ("import sys, time; from t5compress import artifacts; artifacts.check_output(sys.argv[1], False); "
+            "print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # rank 0 (no RANK set) holds it
+        monkeypatch.setenv("RANK", "1")  # another rank of the same run: it writes nothing, so it needs no claim
+        assert artifacts.check_output(out, force=False) == out
+        assert artifacts.lock_file(out).read_text() == str(holder.pid)  # still rank 0's claim, untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_final_rename_refuses_an_output_that_appeared_meanwhile(tmp_path):
     out = tmp_path / "o"
     with pytest.raises(OutputError, match="appeared while this run was writing it"):
