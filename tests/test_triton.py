@@ -56,7 +56,7 @@ def _models(repo: Path) -> dict:
 
 def test_onnxruntime_repository_configs_parse_and_name_the_right_files_and_tensors(export_dir, tmp_path):
     repo = tmp_path / "repo"
-    report = run(export_dir, TritonConfig(name="t5", instances=2, threads=2), repo)
+    report = run(export_dir, TritonConfig(name="t5", leaves=True, instances=2, threads=2), repo)
     models = _models(repo)
     assert set(models) == {"t5", "t5_encoder", "t5_decoder", "t5_decoder_with_past"} == set(report["models"])
     graphs = json.loads((export_dir / "graphs.json").read_text())
@@ -136,10 +136,25 @@ def test_stage_refuses_non_exports_and_existing_output(export_dir, tmp_path):
         run(export_dir.parent, TritonConfig(), tmp_path / "repo")
     (tmp_path / "taken").mkdir()
     with pytest.raises(OutputError, match="--force"):
-        run(export_dir, TritonConfig(), tmp_path / "taken")
+        run(export_dir, TritonConfig(leaves=True), tmp_path / "taken")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing half-written beside it
-    run(export_dir, TritonConfig(), tmp_path / "taken", force=True)
+    run(export_dir, TritonConfig(leaves=True), tmp_path / "taken", force=True)
     assert (tmp_path / "taken" / "t5_decoder" / "config.pbtxt").is_file()
+
+
+def test_the_default_cpu_repository_is_one_text_model_that_runs_the_graphs_itself(export_dir, tmp_path):
+    report = run(export_dir, TritonConfig(name="t5", threads=2, bls_instances=2), tmp_path / "repo")
+    assert report["flavour"] == "in-process" and list(report["models"]) == ["t5"]
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir() if p.is_dir()) == ["t5"]
+    version = tmp_path / "repo" / "t5" / "1"
+    for g in GRAPHS:  # the export's graphs, byte for byte, beside the model file
+        assert (version / f"{g}.onnx").read_bytes() == (export_dir / f"{g}.onnx").read_bytes()
+    cfg = pbtxt.parse_config(tmp_path / "repo" / "t5" / "config.pbtxt")
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params["in_process"] == "1" and params["intra_op_thread_count"] == "2" and "leaf_models" not in params
+    assert [(g.count, g.kind) for g in cfg.instance_group] == [(2, cfg.instance_group[0].KIND_CPU)]
+    gpu = run(export_dir, TritonConfig(name="g", kind="gpu"), tmp_path / "gpu")
+    assert gpu["flavour"] == "onnxruntime" and len(gpu["models"]) == 4  # on a GPU: leaves, as before
 
 
 def test_cli_triton_happy_path_and_bad_input(export_dir, tmp_path):
@@ -219,11 +234,12 @@ def test_serve_writes_its_default_log_under_a_fresh_name_not_a_planted_one(tmp_p
 # ---- a real server ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(export_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["in-process", "portable"])
+def server(export_dir, tmp_path_factory, request):
     repo = tmp_path_factory.mktemp("served") / "repo"
     # Input limit 40 tokens: above every text of TEXTS (bytes + EOS), so only the over-long request is cut.
-    run(export_dir, TritonConfig(name="t5", portable=True, max_batch_size=8, max_beams=4, max_input_tokens=40), repo)
+    run(export_dir, TritonConfig(name="t5", portable=request.param == "portable", max_batch_size=8, max_beams=4,
+                                 max_input_tokens=40), repo)
     running = start(find_server(), repo, Ports.free(), log_path=repo.parent / "server.log")
     yield running
     pid = running.pid
@@ -366,7 +382,7 @@ def test_bench_triton_cli_measures_both_protocols(server, tmp_path):
 
 @pytest.mark.slow
 def test_serving_the_onnxruntime_repository_without_that_backend_is_one_line(export_dir, tmp_path):
-    run(export_dir, TritonConfig(), tmp_path / "repo")
+    run(export_dir, TritonConfig(leaves=True), tmp_path / "repo")
     ports = Ports.free()
     result = runner.invoke(app, ["serve", str(tmp_path / "repo"), "--http-port", str(ports.http), "--grpc-port",
                                  str(ports.grpc), "--metrics-port", str(ports.metrics), "--timeout", "60"])

@@ -1,9 +1,10 @@
-"""Triton python model: text in, text out. Generation runs here, its graphs run in the leaf models through BLS.
+"""Triton python model: text in, text out. Generation runs here; its graphs run here too (in-process, the default on
+CPU: the cache never leaves this process), or in leaf models called through BLS at every step (`--leaves`).
 
 Copied into a model repository as `<name>/1/model.py` by `t5compress triton`, beside the export's tokenizer and
-config files and a copy of `t5compress.runtime`, so the server needs numpy and `tokenizers` only (no t5compress
-install). The same file serves both repository flavours: the leaf models it calls are ONNX Runtime backend models, or
-python models running ONNX Runtime (`--portable`).
+config files and a copy of `t5compress.runtime` (and in-process, the graphs), so the server needs numpy,
+onnxruntime and `tokenizers` only (no t5compress install). The same file serves every repository flavour: the leaf
+models it calls are ONNX Runtime backend models, or python models running ONNX Runtime (`--portable`).
 
 Requests that arrive together (dynamic batching) are generated together: one encoder call and one decoder call per
 step for all of them, grouped by their generation settings.
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the copy of t5compre
 
 import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by the python backend stub)
 
-from t5compress.runtime import Seq2SeqRuntime  # noqa: E402
+from t5compress.runtime import Seq2SeqRuntime, load_runtime  # noqa: E402
 from t5compress.runtime.sessions import Backend  # noqa: E402
 from t5compress.runtime.settings import read_generation_defaults  # noqa: E402
 
@@ -76,12 +77,16 @@ class TritonPythonModel:
         here = Path(__file__).resolve().parent
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        graphs = json.loads((here / "graphs.json").read_text())
-        leaves = json.loads(params["leaf_models"])  # graph name -> leaf model name
-        backend = Backend("triton", *(BlsGraph(leaves[g], graphs[g]["inputs"], graphs[g]["outputs"])
-                                      for g in ("encoder_model", "decoder_model", "decoder_with_past_model")))
-        tokens, defaults = read_generation_defaults(here)
-        self.runtime = Seq2SeqRuntime(here, backend, tokens, defaults)
+        if params.get("in_process") == "1":  # the graphs beside this file, run here
+            self.runtime = load_runtime(here, threads=int(params.get("intra_op_thread_count", "1")),
+                                        decoders="separate")
+        else:
+            graphs = json.loads((here / "graphs.json").read_text())
+            leaves = json.loads(params["leaf_models"])  # graph name -> leaf model name
+            backend = Backend("triton", *(BlsGraph(leaves[g], graphs[g]["inputs"], graphs[g]["outputs"])
+                                          for g in ("encoder_model", "decoder_model", "decoder_with_past_model")))
+            tokens, defaults = read_generation_defaults(here)
+            self.runtime = Seq2SeqRuntime(here, backend, tokens, defaults)
         self.runtime.tokenizer  # noqa: B018 -- load it now: a broken tokenizer fails the model load, not a request
         self.max_beams = int(params.get("max_beams", "4"))
         self.max_new_tokens = int(params.get("max_new_tokens", "512"))

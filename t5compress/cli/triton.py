@@ -52,7 +52,7 @@ def triton(
     console.print(t)
     console.print(f"configs checked against Triton's schema; {report['bytes'] / 1e6:.1f} MB → [bold]{out}[/bold]")
     console.print(f"serve it: t5compress serve {out}", highlight=False)
-    if not cfg.portable:
+    if report["flavour"] == "onnxruntime":
         console.print("(the leaf models need Triton's ONNX Runtime backend, as in NVIDIA's container; "
                       "--portable repositories run on any Triton with the python backend)", highlight=False)
 

@@ -1,13 +1,15 @@
 """The model repository: which models, their configs, and the files each version directory holds.
 
-    <name>/                    python BLS model: text in, text out (model.py, tokenizer + config files, runtime copy)
-    <name>_encoder/            encoder_model.onnx
-    <name>_decoder/            decoder_model.onnx (first step: fills the self- and cross-attention cache)
-    <name>_decoder_with_past/  decoder_with_past_model.onnx (every later step)
+    <name>/                    python text model: text in, text out (model.py, tokenizer + config files, runtime copy,
+                               and in the default in-process flavour the three graphs, which it runs itself)
+    <name>_encoder/            with leaves: encoder_model.onnx
+    <name>_decoder/            with leaves: decoder_model.onnx (first step: fills the self- and cross-attention cache)
+    <name>_decoder_with_past/  with leaves: decoder_with_past_model.onnx (every later step)
 
-The leaf models are `onnxruntime_onnx` models, or with `portable` python models that run the same file with ONNX
-Runtime (`triton_models/onnx_graph.py`). Each ONNX file keeps its export name (and its external-data files beside it),
-so the ONNX Runtime backend is told the name through `default_model_filename`.
+In-process, the text model opens the graphs with ONNX Runtime in its own process: the cache never leaves it. With
+leaves, it calls them over BLS at every step; they are `onnxruntime_onnx` models, or with `portable` python models
+that run the same file with ONNX Runtime (`triton_models/onnx_graph.py`). Each ONNX file keeps its export name (and
+its external-data files beside it), so the ONNX Runtime backend is told the name through `default_model_filename`.
 """
 
 from __future__ import annotations
@@ -82,8 +84,7 @@ def leaf_model(export: Path, graph: str, name: str, kind: str, instances: int, t
         "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
         "instance_group": pbtxt.instance_group(kind, instances),
     }
-    data = {f.name: f for f in sorted(export.glob(f"{graph}{ONNX_SUFFIX}_*"))}  # external weights (optimum's name)
-    files = {onnx_file.name: onnx_file, **data}
+    files = graph_files(export, graph)
     threads_param = {"intra_op_thread_count": str(threads), "inter_op_thread_count": "1"}
     if portable:
         cfg = {**common, "backend": "python", "parameters": pbtxt.parameters({**threads_param,
@@ -96,8 +97,31 @@ def leaf_model(export: Path, graph: str, name: str, kind: str, instances: int, t
     return ModelPlan(name, pbtxt.build(cfg), files)
 
 
+def graph_files(export: Path, graph: str) -> dict[str, Path]:
+    """One graph's ONNX file and its external-data files (optimum's names), by file name."""
+    onnx_file = export / f"{graph}{ONNX_SUFFIX}"
+    return {onnx_file.name: onnx_file, **{f.name: f for f in sorted(export.glob(f"{graph}{ONNX_SUFFIX}_*"))}}
+
+
 def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, max_batch: int, queue_delay_us: int,
               max_beams: int, max_new_tokens: int, max_input_tokens: int = -1) -> ModelPlan:
+    """The text model that calls the leaf models `leaves` (graph name -> model name) over BLS."""
+    return _text(export, name, instances, max_batch, queue_delay_us, {
+        "leaf_models": leaves, "max_beams": str(max_beams), "max_new_tokens": str(max_new_tokens),
+        "max_input_tokens": str(max_input_tokens)}, {})
+
+
+def text_model(export: Path, name: str, instances: int, threads: int, max_batch: int, queue_delay_us: int,
+               max_beams: int, max_new_tokens: int, max_input_tokens: int = -1) -> ModelPlan:
+    """The text model that runs the graphs itself (ONNX Runtime, `threads` intra-op threads per graph)."""
+    graphs = {dest: src for g in (ENCODER, DECODER, DECODER_WITH_PAST) for dest, src in graph_files(export, g).items()}
+    return _text(export, name, instances, max_batch, queue_delay_us, {
+        "in_process": "1", "intra_op_thread_count": str(threads), "max_beams": str(max_beams),
+        "max_new_tokens": str(max_new_tokens), "max_input_tokens": str(max_input_tokens)}, graphs)
+
+
+def _text(export: Path, name: str, instances: int, max_batch: int, queue_delay_us: int, params: dict,
+          extra: dict[str, Path]) -> ModelPlan:
     inputs = [pbtxt.tensor("TEXT", "TYPE_STRING", [1])]
     inputs += [pbtxt.tensor(k, t, [1], optional=True) for k, t in GENERATION_INPUTS.items()]
     cfg = {
@@ -108,13 +132,11 @@ def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, m
                    pbtxt.tensor("TRUNCATED", "TYPE_BOOL", [1])],  # (batch, 1): cut to max_input_tokens
         "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
         "instance_group": pbtxt.instance_group("cpu", instances),  # tokenizer and search: CPU work in any case
-        "parameters": pbtxt.parameters({"leaf_models": leaves, "max_beams": str(max_beams),
-                                        "max_new_tokens": str(max_new_tokens),
-                                        "max_input_tokens": str(max_input_tokens)}),
+        "parameters": pbtxt.parameters(params),
     }
     files = {f.name: f for f in sorted(export.iterdir())
              if f.is_file() and f.suffix in (".json", ".model", ".txt") and f.name not in NOT_COPIED}
-    files.update({"model.py": server_sources() / BLS_SOURCE, **runtime_files()})
+    files.update({**extra, "model.py": server_sources() / BLS_SOURCE, **runtime_files()})
     return ModelPlan(name, pbtxt.build(cfg), files)
 
 

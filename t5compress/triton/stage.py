@@ -31,11 +31,18 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 @dataclass(frozen=True)
 class TritonConfig:
     name: str = option("t5", help="Name of the text-in/text-out model; the leaf models get it as prefix.")
-    kind: str = option("cpu", help="Where the leaf models run: cpu or gpu (Triton instance group kind).")
+    kind: str = option("cpu", help="Where the leaf models run: cpu or gpu (Triton instance group kind; gpu implies "
+                                   "--leaves).")
+    leaves: bool = option(False, help="The graphs as separate leaf models, called over BLS at every decoder step "
+                                      "(ONNX Runtime backend, or python models with --portable). Default on CPU: "
+                                      "the text model runs them itself, in its own process, and the cache never "
+                                      "leaves it.")
     instances: int = option(1, help="Instances of each leaf model (per GPU with --kind gpu).")
-    bls_instances: int = option(1, help="Instances of the text-in/text-out (BLS) model.")
-    threads: int = option(1, help="ONNX Runtime intra-op threads per leaf model instance.")
-    portable: bool = option(False, help="Leaf models as python models running ONNX Runtime (no ONNX Runtime backend).")
+    bls_instances: int = option(1, help="Instances of the text-in/text-out model.")
+    threads: int = option(1, help="ONNX Runtime intra-op threads per graph (per leaf model instance, or in the text "
+                                  "model).")
+    portable: bool = option(False, help="Leaf models as python models running ONNX Runtime (no ONNX Runtime backend; "
+                                        "implies --leaves).")
     max_batch_size: int = option(8, help="Requests the text model generates together (dynamic batching).")
     max_beams: int = option(4, help="Largest num_beams a request may ask for (sizes the leaf models' batches).")
     max_new_tokens: int = option(512, help="Largest max_new_tokens a request may ask for.")
@@ -52,6 +59,13 @@ class TritonConfig:
         require(self.max_input_tokens >= -1, "max_input_tokens", f"must be >= -1, got {self.max_input_tokens}")
         require(self.queue_delay_us >= 0, "queue_delay_us", f"must be >= 0, got {self.queue_delay_us}")
 
+    @property
+    def flavour(self) -> str:
+        """in-process (the text model runs the graphs), portable (python leaves) or onnxruntime (backend leaves)."""
+        if self.portable:
+            return "portable"
+        return "onnxruntime" if self.leaves or self.kind != "cpu" else "in-process"
+
     def leaf_names(self) -> dict[str, str]:
         """Export graph name -> leaf model name."""
         return {g: f"{self.name}_{repository.LEAF_SUFFIXES[g]}" for g in GRAPHS}
@@ -59,6 +73,9 @@ class TritonConfig:
 
 def plan(src: Path, cfg: TritonConfig) -> list[repository.ModelPlan]:
     """Every model of the repository, configs validated; nothing is written."""
+    if cfg.flavour == "in-process":
+        return [repository.text_model(src, cfg.name, cfg.bls_instances, cfg.threads, cfg.max_batch_size,
+                                      cfg.queue_delay_us, cfg.max_beams, cfg.max_new_tokens, cfg.max_input_tokens)]
     leaves = cfg.leaf_names()
     leaf_batch = cfg.max_batch_size * cfg.max_beams  # the decoders see batch x beams rows
     models = [repository.bls_model(src, cfg.name, leaves, cfg.bls_instances, cfg.max_batch_size, cfg.queue_delay_us,
@@ -94,7 +111,7 @@ def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, *, fo
             repository.write(model, tmp)
         report = {
             "stage": "triton",
-            "flavour": "portable" if cfg.portable else "onnxruntime",
+            "flavour": cfg.flavour,
             "kind": cfg.kind,
             "models": {m.name: _describe(m) for m in models},
             "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
