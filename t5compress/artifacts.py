@@ -39,8 +39,8 @@ def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[Any] = ()
     when another run is writing it, or when it exists without `force`; then remove what killed runs left beside it.
 
     `inputs` are everything the stage reads (model dirs, data and calibration files, configs: any string in them that
-    names an existing path counts). The claim is a lock on `out` held until `staged_output` ends or the process
-    exits, so two runs writing one `out` cannot both succeed.
+    names an existing path counts). The claim is a lock on `out` held until `staged_output` ends, the stage returns or
+    raises (`claims_output`), or the process exits, so two runs writing one `out` cannot both succeed.
     """
     out = Path(out)
     refuse_overlap(out, inputs)

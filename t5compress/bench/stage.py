@@ -48,9 +48,9 @@ def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = Fals
         progress: bool = True) -> artifacts.Report:
     """Measure the variants `src` (paths, NAME=PATH or Triton URLs) as `cfg` says; write OUT atomically; return the
     report."""
-    variants = src
     from t5compress.bench import report as reporting
 
+    variants = src
     started = time.perf_counter()
     out = artifacts.check_output(out, force, inputs=[_paths(variants), cfg])
     cfg = effective(cfg)
