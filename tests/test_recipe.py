@@ -245,7 +245,7 @@ def test_qat_and_triton_stages_take_their_cli_settings(tmp_path):
 def test_demo_is_the_quickstart_recipe(tmp_path):
     res = runner.invoke(app, ["demo", "--out", str(tmp_path / "q"), "--max-steps", "40", "--dry-run"])
     assert res.exit_code == 0, res.output
-    assert "9 of 9 stages to run" in res.output and not (tmp_path / "q").exists()
+    assert "12 of 12 stages to run" in res.output and not (tmp_path / "q").exists()
     from t5compress import demo
 
     r = demo.load(demo.DemoConfig(max_steps=40), tmp_path / "q")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -155,6 +156,39 @@ def test_export_quantize_and_generate_work_on_the_trimmed_dir(trimmed, tmp_path)
     got = load_runtime(tmp_path / "onnx").generate_text(texts, max_new_tokens=6)
     assert got == want
     assert len(load_runtime(tmp_path / "int8").generate_text(texts, max_new_tokens=6)) == 4
+
+
+def test_bench_feeds_a_trimmed_variant_its_own_ids_and_reads_its_outputs_back(trimmed, demo_jsonl, tmp_path):
+    """Bench tokenizes once, with the first variant's tokenizer: the trimmed variant gets the same pieces under its own
+    ids and its outputs are read back, so each variant's bench outputs are what it generates from the text with its
+    own tokenizer; in either order, and beside the CTranslate2 peer converted from the untrimmed model."""
+    from t5compress.bench import BenchConfig
+    from t5compress.bench import run as bench
+
+    src, out, _ = trimmed
+    if not load_model(src).config.tie_word_embeddings:
+        pytest.skip("the tied model covers it; one bench per test run is enough")
+    cfg = BenchConfig(data=str(demo_jsonl), batch_sizes=(2,), input_tokens=8, output_tokens=6, repeats=1,
+                      eval_max=8, max_new_tokens=8, plots=False, peers=("ctranslate2-int8",))
+    for order, peers in ((("full", "trim"), cfg.peers), (("trim", "full"), ())):
+        dirs = {"full": src, "trim": out}
+        r = bench([f"{n}={dirs[n]}" for n in order], dataclasses.replace(cfg, peers=peers), tmp_path / order[0],
+                  progress=False)
+        e = {x["name"]: x for x in r["entries"]}
+        assert not [n for n, x in e.items() if "error" in x]
+        for name, d in dirs.items():  # what bench decoded is what the variant generates from the text by itself
+            samples = e[name]["accuracy"]["samples"]
+            tok, model = load_tokenizer(d), load_model(d)
+            with torch.no_grad():
+                ids = model.generate(**tok([x["input"] for x in samples], padding=True, return_tensors="pt"),
+                                     max_new_tokens=8, do_sample=False, num_beams=1)
+            assert [x["output"] for x in samples] == [t.strip() for t in tok.batch_decode(ids,
+                                                                                       skip_special_tokens=True)]
+        other = e[order[1]]
+        assert other["vocabulary"]["input_tokens_lacking"] == 0 and "-piece vocabulary" in other["label"]
+        assert "vocabulary" not in e[order[0]] and all(c["new_tokens_min"] == c["new_tokens_max"] == 6
+                                                       for c in other["cells"])
+    assert e["full"]["vocabulary"]["pieces"] == len(load_tokenizer(src)) > e["full"]["vocabulary"]["reference_pieces"]
 
 
 def test_recovery_distils_from_the_untrimmed_model_trimmed_alike(trimmed, demo_jsonl, tmp_path):

@@ -4,6 +4,10 @@ Both are tokenized once, in the parent, with the tokenizer of the first variant 
 worker as ids, so every engine sees the same tokens. Latency rows are cut from the eval texts (their token stream,
 concatenated, cut into rows of input_tokens - 1 tokens plus EOS); without --data from generated sentences, which are
 then also the accuracy run's inputs (agreement only: there are no references).
+
+A variant whose tokenizer.json has another vocabulary (`prune --vocab` trimmed it) gets the same pieces under its own
+ids (`VocabMap`: piece by piece; a piece it lacks becomes its <unk>, counted), and its outputs are decoded with its
+own tokenizer, so every engine still sees the same text as the same pieces.
 """
 
 from __future__ import annotations
@@ -106,3 +110,54 @@ def decode(tok_dir: Path, rows: list[list[int]]) -> list[str]:
     from t5compress.runtime.text import load_text_tokenizer
 
     return [t.strip() for t in load_text_tokenizer(tok_dir).decode(rows)]
+
+
+def vocabulary(path: Path) -> list[str | None] | None:
+    """The pieces of the dir's tokenizer.json in id order (added tokens included); None without one."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+    pieces: list[str | None] = [None] * (max(vocab.values()) + 1 if vocab else 0)
+    for piece, i in vocab.items():
+        pieces[i] = piece
+    return pieces
+
+
+@dataclass
+class VocabMap:
+    """The bench's ids (its tokenizer's: the reference) in a variant's own vocabulary, through the pieces."""
+
+    to_variant: np.ndarray  # (reference pieces,) the variant's id of each reference id; its <unk> where it lacks one
+    lacking: np.ndarray  # (reference pieces,) bool: the variant lacks this piece
+    pieces: int  # the variant's vocabulary
+    tokenizer_dir: Path  # where the variant's tokenizer is: its outputs are decoded with it
+
+    def summary(self, inputs: Inputs) -> dict:
+        """The variant's vocabulary size and how many input tokens it lacks (they reach it as <unk>)."""
+        tokens = np.concatenate([inputs.latency_ids[inputs.latency_mask.astype(bool)],
+                                 inputs.eval_ids[inputs.eval_mask.astype(bool)]])
+        return {"pieces": self.pieces, "reference_pieces": len(self.to_variant), "input_tokens": int(tokens.size),
+                "input_tokens_lacking": int(self.lacking[tokens].sum())}
+
+    def save(self, inputs: Inputs, path: Path) -> tuple[int, ...]:
+        """`inputs` in the variant's ids, saved as Inputs.save does; returns the EOS ids in its vocabulary."""
+        t = self.to_variant
+        np.savez(path, latency_ids=t[inputs.latency_ids], latency_mask=inputs.latency_mask,
+                 eval_ids=t[inputs.eval_ids], eval_mask=inputs.eval_mask)
+        return tuple(int(t[i]) for i in inputs.eos)
+
+
+def vocab_map(reference: Path, variant: Path) -> VocabMap | None:
+    """How ids of `reference`'s tokenizer map to `variant`'s; None when the vocabularies are the same (or either dir
+    has no tokenizer.json: a byte-level vocabulary is never trimmed)."""
+    ref, own = vocabulary(reference), vocabulary(variant)
+    if ref is None or own is None or ref == own:
+        return None
+    index = {p: i for i, p in enumerate(own) if p is not None}
+    unk = index.get("<unk>", 0)
+    lacking = np.array([p not in index for p in ref], dtype=bool)
+    to_variant = np.array([index.get(p, unk) for p in ref], dtype=np.int64)
+    return VocabMap(to_variant, lacking, len(own), variant)

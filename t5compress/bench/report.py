@@ -38,7 +38,9 @@ def assemble(cfg: BenchConfig, variants: list[Variant], results: dict, inputs: I
              first: str, out: Path, tmp: Path) -> dict:
     """bench.json: every entry with its measurements, accuracy and agreement, the speed-ups per cell, the sizes, the
     expectations, the environment."""
-    texts = {n: decode(inputs.tokenizer_dir, r["outputs"]) for n, r in results.items() if r.get("outputs")}
+    # Each output decoded with the tokenizer of its ids: the bench's, or a variant's own (another vocabulary).
+    texts = {n: decode(Path(r.get("tokenizer_dir") or inputs.tokenizer_dir), r["outputs"])
+             for n, r in results.items() if r.get("outputs")}
     entries = []
     for v in variants:
         e = v.as_dict()
@@ -46,6 +48,7 @@ def assemble(cfg: BenchConfig, variants: list[Variant], results: dict, inputs: I
             e["path"] = str(out / v.path.relative_to(tmp))
         r = dict(results[v.name])
         r.pop("outputs", None)
+        r.pop("tokenizer_dir", None)
         e.update(r)
         if v.name in texts:
             e["accuracy"] = _accuracy(texts[v.name], texts.get(first), inputs, first)

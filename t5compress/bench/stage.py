@@ -23,7 +23,7 @@ from pathlib import Path
 import t5compress
 from t5compress import artifacts
 from t5compress.bench.config import BenchConfig
-from t5compress.bench.inputs import Inputs, build
+from t5compress.bench.inputs import Inputs, VocabMap, build, vocab_map
 from t5compress.bench.variants import Variant, resolve_all
 from t5compress.errors import ConfigError, first_line
 from t5compress.progress import Reporter
@@ -81,7 +81,8 @@ def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = Fals
         measured = [*entries, *peers]
         if cfg.edge:
             measured.sort(key=lambda v: v.precision != "int8")
-        results = {v.name: measure(v, cfg, inputs, tmp, progress) for v in measured}
+        maps = vocab_maps(measured, base, inputs)
+        results = {v.name: measure(v, cfg, inputs, tmp, progress, maps.get(v.name)) for v in measured}
         (tmp / "inputs.npz").unlink()
         report = reporting.assemble(cfg, measured, results, inputs, skipped, first, out, tmp)
         report["seconds"] = round(time.perf_counter() - started, 1)
@@ -144,11 +145,30 @@ def locked_settings(cfg: BenchConfig) -> dict:
             "output_tokens": f"{cfg.output_tokens} forced (min_new_tokens = max_new_tokens)", "do_sample": False}
 
 
-def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, progress: bool = True) -> dict:
-    """One worker process for `v`; its result, or {'error': one line} when it crashed or ran out of time."""
+def vocab_maps(variants: list[Variant], base: Variant | None, inputs: Inputs) -> dict[str, VocabMap]:
+    """The variants whose vocabulary is not the bench tokenizer's (a peer's is its base's), by name; their labels
+    say so."""
+    maps = {}
+    for v in variants:
+        own = base.path if v.role == "peer" and base is not None else v.path
+        m = None if v.kind == "triton" else vocab_map(inputs.tokenizer_dir, own)
+        if m is not None:
+            maps[v.name] = m
+            v.label += f", {m.pieces:,}-piece vocabulary"
+    return maps
+
+
+def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, progress: bool = True,
+            vmap: VocabMap | None = None) -> dict:
+    """One worker process for `v`; its result, or {'error': one line} when it crashed or ran out of time. With
+    `vmap`, the worker gets the inputs in the variant's own ids; its outputs are decoded with its tokenizer."""
+    data, eos = tmp / "inputs.npz", tuple(inputs.eos)
+    if vmap is not None:
+        data = tmp / "logs" / f"{v.name}.inputs.npz"
+        eos = vmap.save(inputs, data)
     job = {"variant": {"kind": v.kind, "path": str(v.path), "settings": v.settings}, "threads": list(cfg.threads),
            "batch_sizes": list(cfg.batch_sizes), "beams": list(cfg.beams), "output_tokens": cfg.output_tokens,
-           "repeats": cfg.repeats, "warmup": cfg.warmup, "eos": list(inputs.eos), "inputs": str(tmp / "inputs.npz"),
+           "repeats": cfg.repeats, "warmup": cfg.warmup, "eos": list(eos), "inputs": str(data),
            "max_new_tokens": cfg.max_new_tokens, "eval_batch": EVAL_BATCH}
     job_file = tmp / "logs" / f"{v.name}.job.json"
     job_file.write_text(json.dumps(job))
@@ -163,6 +183,10 @@ def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, progress: b
                                        cfg.timeout_s, on_event)
         bar.update(done=total)
     job_file.unlink()
+    if vmap is not None:
+        data.unlink(missing_ok=True)
+        if result is not None:
+            result.update(vocabulary=vmap.summary(inputs), tokenizer_dir=str(vmap.tokenizer_dir))
     if timed_out:
         return {"error": f"timed out after {cfg.timeout_s} s (--timeout-s)"}
     if rc != 0 or result is None:

@@ -25,8 +25,9 @@ def demo(
     dry_run: DryRun = False,
     force: Rerun = False,
 ) -> None:
-    """Build a small T5 on generated data, fine-tune it, ship it (ONNX, int8, pruned + int8) and benchmark the
-    variants: the quickstart recipe, as `t5compress run recipes/quickstart.yaml` runs it. Done stages are skipped."""
+    """Build a small T5 on generated data, fine-tune it, ship it (ONNX, int8, pruned + int8, pruned +
+    vocabulary-trimmed + int8) and benchmark the variants: the quickstart recipe, as `t5compress run
+    recipes/quickstart.yaml` runs it. Done stages are skipped."""
     from t5compress import demo, recipe
     from t5compress.cli.run import announce, print_plan, print_results
 
