@@ -1,6 +1,7 @@
-"""The goals benchmark: `t5compress bench` on random-weight t5-small and t5-efficient-small-el2 shapes, our fp32
-export, int8 static and pruned (50% heads, 50% FFN) + int8 static side by side with every peer (PyTorch fp32
-`generate`, optimum ORT fp32 and dynamic int8, CTranslate2 int8, OpenVINO fp32 and 8-bit weights).
+"""The goals benchmark: `t5compress bench` on random-weight t5-small, t5-efficient-small-el2 and flan-t5-small
+shapes (1 and 2 threads): our fp32 export, int8 static and pruned (50% heads, 50% FFN) + int8 static side by side
+with every peer (PyTorch fp32 `generate`, optimum ORT fp32 and dynamic int8, CTranslate2 int8, OpenVINO fp32 and
+8-bit weights), with each engine's ms per decode step beside the floor the machine's memory bandwidth sets.
 
 Speed does not depend on the weights, so each shape is a random-weight model (embedding scaled by 0.3, so greedy
 decoding varies). Everything else is `t5compress.bench.run`: each engine in its own process, 32 tokens in and
@@ -33,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-SHAPES = ["t5-small", "t5-efficient-small-el2"]
+SHAPES = ["t5-small", "t5-efficient-small-el2", "flan-t5-small"]  # relu tied, deep-narrow, gated untied
 GOALS = ("int8=1.33", "pruned+int8=2", "fp32=1", "size=0.27")  # issue 9's goals, as `t5compress bench --expect`
 
 
@@ -97,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="t5-small, 1 thread, 2 repeats, 16 calibration texts")
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="architectures (any `t5compress create` name)")
-    ap.add_argument("--threads", nargs="+", type=int, default=[1])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--beams", nargs="+", type=int, default=[1, 4], help="1 = greedy")
     ap.add_argument("--peers", default="all", help="comma-separated peer names, or all")
@@ -155,6 +156,7 @@ def write_summary(reports: dict, out: Path, seconds: int) -> None:
 
 
 def write_markdown(reports: dict, out: Path, seconds: int) -> None:
+    from t5compress.bench.floor import floor_lines
     from t5compress.bench.report import expectation_lines, size_lines, speedup_lines, upgrade
 
     lines = [f"# Goals benchmark ({seconds} s)", ""]
@@ -162,7 +164,8 @@ def write_markdown(reports: dict, out: Path, seconds: int) -> None:
         r = upgrade(r)  # a bench_goals.json from before --expect: its goals become the expectations
         lines += [f"## {arch}", "", f"Full report: [bench_goals/{arch}/report.md](bench_goals/{arch}/report.md).", "",
                   *speedup_lines(r, 3), *size_lines(r, 3), *[x.replace("### Expectations", "### Goals (expected)")
-                                                             for x in expectation_lines(r, 3)]]
+                                                             for x in expectation_lines(r, 3)],
+                  *floor_lines(r, 3)]
         if r.get("skipped"):
             lines += ["Skipped peers: " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items()), ""]
     (out / "bench_goals.md").write_text("\n".join(lines))

@@ -71,9 +71,12 @@ def lm_head_node(path: Path) -> str | None:
 
 
 def node_shares(trace: list[dict], lm_head: str | None) -> dict:
-    """From an ORT profile: total kernel ms, lm_head ms, and the op types that take the most time."""
+    """From an ORT profile: total kernel ms, lm_head ms, nodes run per call, and the op types that take the most
+    time."""
     by_op: dict[str, float] = {}
     total = head = 0.0
+    runs = sum(1 for ev in trace if ev.get("cat") == "Session" and ev.get("name") == "model_run")
+    nodes = sum(1 for ev in trace if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time"))
     for ev in trace:
         if ev.get("cat") != "Node" or not ev.get("name", "").endswith("_kernel_time"):
             continue
@@ -84,52 +87,122 @@ def node_shares(trace: list[dict], lm_head: str | None) -> dict:
         if lm_head and ev["name"].startswith(lm_head):
             head += ms
     top = sorted(by_op.items(), key=lambda x: -x[1])[:6]
-    return {"kernel_ms": total, "lm_head_ms": head, "top_ops": {k: round(100 * v / total, 1) for k, v in top}}
+    return {"kernel_ms": total, "lm_head_ms": head, "nodes_per_call": round(nodes / max(runs, 1)),
+            "top_ops": {k: round(100 * v / total, 1) for k, v in top}}
 
 
 def profile(ready: dict, shape, make_inputs, new_tokens: int, threads: int = 1, repeats: int = 3) -> dict:
     """Per-step time of each of our engines at `threads`, b1 greedy / b8 greedy / b1 beam 4 (ms per call).
 
-    make_inputs(batch) -> (input_ids, attention_mask); every call generates exactly `new_tokens`.
+    make_inputs(batch) -> (input_ids, attention_mask); every call generates exactly `new_tokens`. Times come from
+    the runtime's own sessions; a second, profiled pass only gives lm_head's share, the op types and the node count
+    (ONNX Runtime's profiler adds its own cost to every node).
     """
-    from t5compress.runtime import load_runtime
-
     result = {}
     for name in (n for n in PROFILED if n in ready):
-        path = ready[name]["path"]
         result[name] = {}
         for batch, beams in CASES:
-            rt = load_runtime(path, threads=threads)
-            prof_dir = shape.work / "profiles"
-            prof_dir.mkdir(exist_ok=True)
-            first = ProfiledGraph(path / "decoder_model.onnx", threads, prof_dir / f"{name}-first")
-            past = ProfiledGraph(path / "decoder_with_past_model.onnx", threads, prof_dir / f"{name}-past")
-            timed = {g: TimedGraph(x) for g, x in (("encoder", rt.backend.encoder), ("first", first),
-                                                     ("past", past))}
-            rt.backend = dataclasses.replace(rt.backend, encoder=timed["encoder"], decoder=timed["first"],
-                                             decoder_with_past=timed["past"])
-            ids, mask = make_inputs(batch)
-            rt.generate(ids, mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams)  # warm
-            for t in timed.values():
-                t.ms, t.calls = 0.0, 0
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                rt.generate(ids, mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams)
-            wall = (time.perf_counter() - t0) * 1000 / repeats
-            shares = {}
-            for g, graph in (("first", first), ("past", past)):
-                trace = json.loads(Path(graph.session.end_profiling()).read_text())
-                shares[g] = node_shares(trace, lm_head_node(path / f"{graph.name}.onnx"))
-            per = {g: t.ms / repeats for g, t in timed.items()}
-            head = sum(per[g] * shares[g]["lm_head_ms"] / shares[g]["kernel_ms"] for g in ("first", "past")
-                       if shares[g]["kernel_ms"])
-            result[name][f"b{batch} {'greedy' if beams == 1 else f'beam {beams}'}"] = {
-                "total_ms": round(wall, 1), "encoder_ms": round(per["encoder"], 1),
-                "first_step_ms": round(per["first"], 1),
-                "with_past_ms": round(per["past"], 1), "with_past_steps": timed["past"].calls // repeats,
-                "with_past_ms_per_step": round(per["past"] / max(1, timed["past"].calls // repeats), 2),
-                "lm_head_ms (inside the decoder steps)": round(head, 1),
-                "search_and_python_ms": round(wall - sum(per.values()), 1),
-                "top_ops_with_past_%": shares["past"]["top_ops"],
-            }
+            key = f"b{batch} {'greedy' if beams == 1 else f'beam {beams}'}"
+            result[name][key] = profile_case(Path(ready[name]["path"]), shape.work / "profiles", name, batch, beams,
+                                             make_inputs, new_tokens, threads, repeats)
     return result
+
+
+def profile_case(path: Path, prof_dir: Path, name: str, batch: int, beams: int, make_inputs, new_tokens: int,
+                 threads: int, repeats: int) -> dict:
+    from t5compress.runtime import load_runtime
+
+    rt = load_runtime(path, threads=threads)
+    ids, mask = make_inputs(batch)
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams)
+    timed = {g: TimedGraph(getattr(rt.backend, a)) for g, a in (("encoder", "encoder"), ("first", "decoder"),
+                                                              ("past", "decoder_with_past"))}
+    rt.backend = dataclasses.replace(rt.backend, encoder=timed["encoder"], decoder=timed["first"],
+                                     decoder_with_past=timed["past"])
+    rt.generate(ids, mask, **gen)  # warm-up
+    for t in timed.values():
+        t.ms, t.calls = 0.0, 0
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        rt.generate(ids, mask, **gen)
+    wall = (time.perf_counter() - t0) * 1000 / repeats
+    prof_dir.mkdir(parents=True, exist_ok=True)
+    profiled = {g: ProfiledGraph(path / f"{stem}.onnx", threads, prof_dir / f"{name}-{g}")
+                for g, stem in (("first", "decoder_model"), ("past", "decoder_with_past_model"))}
+    rt.backend = dataclasses.replace(rt.backend, decoder=profiled["first"], decoder_with_past=profiled["past"])
+    rt.generate(ids, mask, **gen)
+    shares = {g: node_shares(json.loads(Path(x.session.end_profiling()).read_text()),
+                             lm_head_node(path / f"{x.name}.onnx")) for g, x in profiled.items()}
+    per = {g: t.ms / repeats for g, t in timed.items()}
+    steps = max(1, timed["past"].calls // repeats)
+    head = sum(per[g] * shares[g]["lm_head_ms"] / shares[g]["kernel_ms"] for g in ("first", "past")
+               if shares[g]["kernel_ms"])
+    return {
+        "total_ms": round(wall, 1), "encoder_ms": round(per["encoder"], 1), "first_step_ms": round(per["first"], 1),
+        "with_past_ms": round(per["past"], 1), "with_past_steps": steps,
+        "with_past_ms_per_step": round(per["past"] / steps, 2),
+        "lm_head_ms (inside the decoder steps)": round(head, 1),
+        "search_and_python_ms": round(wall - sum(per.values()), 1),
+        "nodes_per_with_past_step": shares["past"]["nodes_per_call"],
+        "top_ops_with_past_%": shares["past"]["top_ops"],
+    }
+
+
+def numpy_log_softmax(x):
+    """The search's log-softmax before it moved into ONNX Runtime (for a 'before' row)."""
+    import numpy as np
+
+    out = x - x.max(axis=-1, keepdims=True)
+    out -= np.log(np.exp(out).sum(axis=-1, keepdims=True))
+    return out
+
+
+def main() -> None:
+    """Profile export dirs side by side, in one process: `NAME=DIR ...`; --numpy-log-softmax NAME runs NAME with the
+    old numpy log-softmax (a 'before' row: give it a dir exported by the code before the change, too)."""
+    import argparse
+
+    import numpy as np
+
+    import t5compress.runtime.search as search
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", help="NAME=DIR")
+    ap.add_argument("--numpy-log-softmax", nargs="*", default=[], help="names run with numpy's log-softmax")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
+    args = ap.parse_args()
+    rows = np.random.default_rng(0).integers(3, 250, size=(8, 32))
+    rows[:, -1] = 1
+
+    def make_inputs(batch):
+        return rows[:batch], np.ones_like(rows[:batch])
+
+    fast, result = search.log_softmax, {}
+    for spec in args.dirs:
+        name, _, d = spec.partition("=")
+        search.log_softmax = numpy_log_softmax if name in args.numpy_log_softmax else fast
+        result[name] = {f"b{b} {'greedy' if k == 1 else f'beam {k}'}": profile_case(
+            Path(d), args.out.parent / "profiles", name, b, k, make_inputs, 32, args.threads, args.repeats)
+            for b, k in (*CASES, (8, 4))}
+    search.log_softmax = fast
+    args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "profiles": result}, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(result, args.threads))
+    print(markdown(result, args.threads))
+
+
+def markdown(result: dict, threads: int) -> str:
+    cols = ["total_ms", "encoder_ms", "first_step_ms", "with_past_ms_per_step",
+            "lm_head_ms (inside the decoder steps)", "search_and_python_ms", "nodes_per_with_past_step"]
+    lines = [f"# Where one generate call goes ({threads} thread{'s' if threads > 1 else ''}, 32 in, exactly 32 out)",
+             "", "| dir | case | " + " | ".join(c.replace("_", " ") for c in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for name, cases in result.items():
+        for case, x in cases.items():
+            lines.append(f"| {name} | {case} | " + " | ".join(str(x[c]) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -95,3 +95,19 @@ def weight_max(weight_range: str) -> int:
     if weight_range == "auto":
         return REDUCED_WEIGHT_MAX if saturates_int8() else FULL_WEIGHT_MAX
     return REDUCED_WEIGHT_MAX if weight_range == "reduced" else FULL_WEIGHT_MAX
+
+
+def memory_read_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
+    """This machine's memory read bandwidth in GB/s: the best of `repeats` numpy sums over a `megabytes` array (far
+    larger than any cache), the figure that bounds a decoder step whose weights are read once each."""
+    import time
+
+    import numpy as np
+
+    a = np.ones(megabytes * 2**20 // 8, dtype=np.float64)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return round(a.nbytes / best / 1e9, 1)

@@ -76,6 +76,12 @@ def test_bench_writes_json_markdown_plots_and_prints_the_table(bench_run):
     # No --expect: the report states numbers, no verdicts.
     assert r["expectations"] is None and not any(w in md for w in ("## Expectations", "**met**", "missed", "hit"))
     assert len(r["speedups"]) == 4  # 1 thread x 2 batch sizes x 2 beam widths
+    floor = r["floor"]  # ms per step beside bytes per step / measured bandwidth
+    assert floor["gb_s"] > 0.5
+    fp32, int8 = floor["entries"]["onnx"], floor["entries"]["int8"]
+    assert 3.0 < fp32["weight_mb"] / int8["weight_mb"] <= 4.0  # int8 weights are 1 byte, the rest stays fp32
+    assert abs(fp32["floor_ms"] - fp32["weight_mb"] / floor["gb_s"]) < 0.01 + 0.01 * fp32["floor_ms"]
+    assert "## Distance from the hardware" in md and "| onnx | " in md.split("## Distance from the hardware")[1]
     assert not list(out.glob("*.npz")) and not list(out.glob("logs/*.json"))  # no scratch left behind
 
 

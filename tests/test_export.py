@@ -98,6 +98,14 @@ def test_onnx_export_matches_pytorch_and_uses_optimum_names(relu_onnx, tiny_mode
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}  # JSON files were mkstemp's 0600
     assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes
     assert meta["parent"]["sha256"] == artifacts.dir_hash(tiny_model_dir)
+    # No copying single-input Concat is left (the tracer put one on every cross-attention key and value).
+    import onnx
+
+    past = onnx.load(str(out / "decoder_with_past_model.onnx"))
+    assert not [n.name for n in past.graph.node if n.op_type == "Concat" and len(n.input) == 1]
+    feeds = {i.name: i.name for i in past.graph.input}
+    cross = [n for n in past.graph.node if any(".encoder." in x for x in n.input if x in feeds)]
+    assert {n.op_type for n in cross} <= {"Transpose", "MatMul", "Shape"}, {n.op_type for n in cross}
 
 
 def test_graphs_take_any_batch_and_length(relu_onnx, tiny_model_dir):

@@ -75,3 +75,27 @@ def test_chunked_topk_equals_a_full_stable_sort_including_ties():
         x[1, -1] = x[1].max() + 1  # the best entry in the padded last chunk
         want = np.argsort(-x, axis=1, kind="stable")[:, :k]
         assert (topk(x, k) == want).all(), shape
+
+
+def test_log_softmax_graph_is_the_one_node_model_and_matches_torch():
+    """The embedded bytes are exactly LogSoftmax(axis=-1) built with onnx.helper; values match torch's log_softmax."""
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
+    from t5compress.runtime.search import LOG_SOFTMAX_ONNX, log_softmax
+
+    dims = ["rows", "vocab"]
+    graph = helper.make_graph([helper.make_node("LogSoftmax", ["x"], ["y"], axis=-1)], "log_softmax",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name="t5compress")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    assert model.SerializeToString() == LOG_SOFTMAX_ONNX
+    x = (np.random.default_rng(0).standard_normal((5, 32128)) * 8).astype(np.float32)
+    x[1, 7] = -np.inf  # a banned token stays -inf
+    got = log_softmax(x)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_allclose(got, torch.log_softmax(torch.from_numpy(x), -1).numpy(), atol=2e-5, rtol=0)
+    assert got[1, 7] == -np.inf

@@ -11,6 +11,7 @@ from pathlib import Path
 from t5compress import metrics
 from t5compress.bench import compare, expect
 from t5compress.bench.config import BenchConfig
+from t5compress.bench.floor import floor_lines
 from t5compress.bench.inputs import Inputs, decode
 from t5compress.bench.variants import Variant
 from t5compress.cpu import ARM64_PRESET, cpu_features, int8_note
@@ -69,7 +70,16 @@ def assemble(cfg: BenchConfig, variants: list[Variant], results: dict, inputs: I
         "entries": entries,
         "skipped": skipped,
         **comparisons(entries, grid(cfg), cfg.output_tokens, cfg.expectations),
+        "floor": _floor(entries),
     }
+
+
+def _floor(entries: list[dict]) -> dict:
+    from t5compress.bench.floor import floors
+    from t5compress.cpu import memory_read_gb_s
+
+    gb_s = memory_read_gb_s()
+    return {"gb_s": gb_s, "entries": floors(entries, gb_s)}
 
 
 def comparisons(entries: list[dict], keys: list[tuple[int, int, int]], output_tokens: int,
@@ -125,7 +135,7 @@ def markdown(r: dict) -> str:
     lines += _entries(r)
     for t in s["threads"]:
         lines += _latency(r, t, n)
-    lines += speedup_lines(r) + size_lines(r) + expectation_lines(r)
+    lines += speedup_lines(r) + size_lines(r) + expectation_lines(r) + floor_lines(r)
     lines += _peers(r)
     if r.get("plots"):
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in r["plots"]] + [""]

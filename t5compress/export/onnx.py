@@ -101,7 +101,29 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
     saved = share_tied_weights(proto) if share_tied else 0
     if saved:
         log.info("%s: tied embedding stored once (%.1f MB less)", spec.name, saved / 1e6)
+    drop_copying_concats(proto.graph)
     return save_onnx(proto, path, external)
+
+
+def drop_copying_concats(graph: onnx.GraphProto) -> int:
+    """Remove Concat nodes with a single input (the tracer's `torch.cat` of a cache with nothing), reading their input
+    instead; returns how many. Each is a copy: decoder_with_past had one per cross-attention key and value, copying
+    the whole cross-attention cache every step (4-13% of a t5-small int8 step, batch 1 to 8, measured)."""
+    outputs = {o.name for o in graph.output}
+    renamed: dict[str, str] = {}
+    kept = []
+    for node in graph.node:
+        if node.op_type == "Concat" and len(node.input) == 1 and node.output[0] not in outputs:
+            renamed[node.output[0]] = renamed.get(node.input[0], node.input[0])
+        else:
+            kept.append(node)
+    for node in kept:
+        for i, name in enumerate(node.input):
+            if name in renamed:
+                node.input[i] = renamed[name]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return len(renamed)
 
 
 def _check_io(proto: onnx.ModelProto, spec: GraphSpec) -> None:

@@ -58,10 +58,41 @@ def banned_ngram_tokens(sequences: np.ndarray, n: int) -> list[list[int]]:
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
-    """(rows, vocab) float32 -> log-probabilities, float32 like torch's."""
+    """(rows, vocab) float32 -> log-probabilities, float32 like torch's.
+
+    Run by ONNX Runtime's LogSoftmax kernel (vectorised exp): numpy's float32 exp made this 9% of a batch-8 beam-4
+    call (2.9 ms per step for 32 x 32128 scores, 0.6 ms in ONNX Runtime). numpy is the fallback without it.
+    """
+    session = _log_softmax_session()
+    if session is not None and x.dtype == np.float32 and x.ndim == 2:
+        return session.run(None, {"x": np.ascontiguousarray(x)})[0]
     out = x - x.max(axis=-1, keepdims=True)
     out -= np.log(np.exp(out).sum(axis=-1, keepdims=True))  # in place: one (rows, vocab) temporary, not two
     return out
+
+
+# A one-node ONNX model, LogSoftmax(axis=-1) on x: float32 (rows, vocab) -> y, opset 13, serialised here because the
+# runtime does not import the onnx package; tests/test_search.py rebuilds it with onnx.helper and checks the bytes.
+LOG_SOFTMAX_ONNX = bytes.fromhex(
+    "0808120a7435636f6d70726573733a730a280a0178120179220a4c6f67536f66746d61782a140a046178697318ffffffffffffffffff01"
+    "a00102120b6c6f675f736f66746d61785a1c0a017812170a15080112110a061204726f77730a071205766f636162621c0a017912170a15"
+    "080112110a061204726f77730a071205766f63616242040a00100d"
+)
+_SESSION: list = []  # [session or None], built on first use
+
+
+def _log_softmax_session():
+    if not _SESSION:
+        try:
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.intra_op_num_threads, so.inter_op_num_threads = 1, 1
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            _SESSION.append(ort.InferenceSession(LOG_SOFTMAX_ONNX, so, providers=["CPUExecutionProvider"]))
+        except ImportError:  # the TorchScript backend runs without onnxruntime
+            _SESSION.append(None)
+    return _SESSION[0]
 
 
 def topk(x: np.ndarray, k: int) -> np.ndarray:
