@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,42 +111,73 @@ def profile(ready: dict, shape, make_inputs, new_tokens: int, threads: int = 1, 
 
 def profile_case(path: Path, prof_dir: Path, name: str, batch: int, beams: int, make_inputs, new_tokens: int,
                  threads: int, repeats: int) -> dict:
-    from t5compress.runtime import load_runtime
-
-    rt = load_runtime(path, threads=threads)
-    ids, mask = make_inputs(batch)
-    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams)
-    timed = {g: TimedGraph(getattr(rt.backend, a)) for g, a in (("encoder", "encoder"), ("first", "decoder"),
-                                                              ("past", "decoder_with_past"))}
-    rt.backend = dataclasses.replace(rt.backend, encoder=timed["encoder"], decoder=timed["first"],
-                                     decoder_with_past=timed["past"])
-    rt.generate(ids, mask, **gen)  # warm-up
-    for t in timed.values():
-        t.ms, t.calls = 0.0, 0
-    t0 = time.perf_counter()
+    case = Case(path, name, batch, beams, make_inputs, new_tokens, threads)
     for _ in range(repeats):
-        rt.generate(ids, mask, **gen)
-    wall = (time.perf_counter() - t0) * 1000 / repeats
-    prof_dir.mkdir(parents=True, exist_ok=True)
-    profiled = {g: ProfiledGraph(path / f"{stem}.onnx", threads, prof_dir / f"{name}-{g}")
-                for g, stem in (("first", "decoder_model"), ("past", "decoder_with_past_model"))}
-    rt.backend = dataclasses.replace(rt.backend, decoder=profiled["first"], decoder_with_past=profiled["past"])
-    rt.generate(ids, mask, **gen)
-    shares = {g: node_shares(json.loads(Path(x.session.end_profiling()).read_text()),
-                             lm_head_node(path / f"{x.name}.onnx")) for g, x in profiled.items()}
-    per = {g: t.ms / repeats for g, t in timed.items()}
-    steps = max(1, timed["past"].calls // repeats)
-    head = sum(per[g] * shares[g]["lm_head_ms"] / shares[g]["kernel_ms"] for g in ("first", "past")
-               if shares[g]["kernel_ms"])
-    return {
-        "total_ms": round(wall, 1), "encoder_ms": round(per["encoder"], 1), "first_step_ms": round(per["first"], 1),
-        "with_past_ms": round(per["past"], 1), "with_past_steps": steps,
-        "with_past_ms_per_step": round(per["past"] / steps, 2),
-        "lm_head_ms (inside the decoder steps)": round(head, 1),
-        "search_and_python_ms": round(wall - sum(per.values()), 1),
-        "nodes_per_with_past_step": shares["past"]["nodes_per_call"],
-        "top_ops_with_past_%": shares["past"]["top_ops"],
-    }
+        case.call()
+    return case.result(prof_dir)
+
+
+class Case:
+    """One export dir at one (batch, beams): its runtime with each graph timed; `call` times one generate, `result`
+    adds a profiled call's shares. Several cases can be called in turn, so that dirs compared share the machine's
+    moods."""
+
+    def __init__(self, path: Path, name: str, batch: int, beams: int, make_inputs, new_tokens: int, threads: int,
+                 log_softmax=None):
+        from t5compress.runtime import load_runtime
+
+        self.path, self.name, self.threads, self.log_softmax = path, name, threads, log_softmax
+        self.rt = rt = load_runtime(path, threads=threads)
+        self.ids, self.mask = make_inputs(batch)
+        self.gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams)
+        self.timed = {g: TimedGraph(getattr(rt.backend, a)) for g, a in (("encoder", "encoder"), ("first", "decoder"),
+                                                                       ("past", "decoder_with_past"))}
+        rt.backend = dataclasses.replace(rt.backend, encoder=self.timed["encoder"], decoder=self.timed["first"],
+                                         decoder_with_past=self.timed["past"])
+        self.generate()  # warm-up
+        for t in self.timed.values():
+            t.ms, t.calls = 0.0, 0
+        self.wall, self.calls = 0.0, 0
+
+    def generate(self) -> None:
+        import t5compress.runtime.search as search
+
+        fast = search.log_softmax
+        search.log_softmax = self.log_softmax or fast
+        try:
+            self.rt.generate(self.ids, self.mask, **self.gen)
+        finally:
+            search.log_softmax = fast
+
+    def call(self) -> None:
+        t0 = time.perf_counter()
+        self.generate()
+        self.wall += (time.perf_counter() - t0) * 1000
+        self.calls += 1
+
+    def result(self, prof_dir: Path) -> dict:
+        n = self.calls
+        per = {g: t.ms / n for g, t in self.timed.items()}  # before the profiled call below runs the encoder again
+        prof_dir.mkdir(parents=True, exist_ok=True)
+        profiled = {g: ProfiledGraph(self.path / f"{stem}.onnx", self.threads, prof_dir / f"{self.name}-{g}")
+                    for g, stem in (("first", "decoder_model"), ("past", "decoder_with_past_model"))}
+        self.rt.backend = dataclasses.replace(self.rt.backend, decoder=profiled["first"],
+                                              decoder_with_past=profiled["past"])
+        self.generate()
+        shares = {g: node_shares(json.loads(Path(x.session.end_profiling()).read_text()),
+                                 lm_head_node(self.path / f"{x.name}.onnx")) for g, x in profiled.items()}
+        steps = max(1, self.timed["past"].calls // n)
+        head = sum(per[g] * shares[g]["lm_head_ms"] / shares[g]["kernel_ms"] for g in ("first", "past")
+                   if shares[g]["kernel_ms"])
+        return {
+            "total_ms": round(self.wall / n, 1), "encoder_ms": round(per["encoder"], 1),
+            "first_step_ms": round(per["first"], 1), "with_past_ms": round(per["past"], 1), "with_past_steps": steps,
+            "with_past_ms_per_step": round(per["past"] / steps, 2),
+            "lm_head_ms (inside the decoder steps)": round(head, 1),
+            "search_and_python_ms": round(self.wall / n - sum(per.values()), 1),
+            "nodes_per_with_past_step": shares["past"]["nodes_per_call"],
+            "top_ops_with_past_%": shares["past"]["top_ops"],
+        }
 
 
 def numpy_log_softmax(x):
@@ -164,8 +196,6 @@ def main() -> None:
 
     import numpy as np
 
-    import t5compress.runtime.search as search
-
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", help="NAME=DIR")
     ap.add_argument("--numpy-log-softmax", nargs="*", default=[], help="names run with numpy's log-softmax")
@@ -179,14 +209,17 @@ def main() -> None:
     def make_inputs(batch):
         return rows[:batch], np.ones_like(rows[:batch])
 
-    fast, result = search.log_softmax, {}
-    for spec in args.dirs:
-        name, _, d = spec.partition("=")
-        search.log_softmax = numpy_log_softmax if name in args.numpy_log_softmax else fast
-        result[name] = {f"b{b} {'greedy' if k == 1 else f'beam {k}'}": profile_case(
-            Path(d), args.out.parent / "profiles", name, b, k, make_inputs, 32, args.threads, args.repeats)
-            for b, k in (*CASES, (8, 4))}
-    search.log_softmax = fast
+    dirs = [spec.partition("=")[::2] for spec in args.dirs]
+    result: dict = {name: {} for name, _ in dirs}
+    for batch, beams in (*CASES, (8, 4)):
+        key = f"b{batch} {'greedy' if beams == 1 else f'beam {beams}'}"
+        cases = [Case(Path(d), name, batch, beams, make_inputs, 32, args.threads,
+                      numpy_log_softmax if name in args.numpy_log_softmax else None) for name, d in dirs]
+        for _ in range(args.repeats):  # one call of each dir in turn: a busy moment costs every dir alike
+            for case in cases:
+                case.call()
+        for case in cases:
+            result[case.name][key] = case.result(Path(tempfile.mkdtemp(prefix="t5c-profile-")))
     args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "profiles": result}, indent=1))
     args.out.with_suffix(".md").write_text(markdown(result, args.threads))
     print(markdown(result, args.threads))
