@@ -20,6 +20,7 @@ from t5compress.errors import ExportError
 from t5compress.export.graphs import GraphSpec, flatten_cache
 from t5compress.names import (
     DECODER,
+    DECODER_MASK,
     DECODER_MERGED,
     DECODER_WITH_PAST,
     ENCODER,
@@ -107,6 +108,7 @@ def _comparisons(model, graphs: dict[str, Graph], seed: int) -> Iterator[tuple[s
         cache = flatten_cache(full.past_key_values, layers, cross=True)
         first_want = {"logits": logits, **_named(cache, present_names(layers))}
         past_in = {"encoder_attention_mask": mask, "input_ids": dec[:, -1:],
+                   DECODER_MASK: np.ones((batch, dec_len), dtype=np.int64),  # in-flight layout only: all real
                    **_named(flatten_cache(prefix.past_key_values, layers, True), past_names(layers))}
         self_names = present_names(layers, cross=False)
         past_want = {"logits": logits[:, -1:], **{n: first_want[n] for n in self_names}}

@@ -1,0 +1,134 @@
+"""In-flight batching: the masked decoder-with-past layout (export --inflight) and the runtime's InflightBatch.
+
+The claim tested: a row that joins a running batch, left-padded to its past length, gets exactly the tokens that
+transformers' `generate` gives its input alone, whatever the other rows' settings and arrival steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_runtime import build_model, hf_model, inputs, reference
+
+from t5compress.errors import ConfigError, ModelError
+from t5compress.names import DECODER_MASK, DECODER_WITH_PAST, MANIFEST_FILE
+from t5compress.runtime import load_runtime
+from t5compress.runtime.inflight import InflightBatch, supports_inflight
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    from t5compress.export import stage
+
+    root = tmp_path_factory.mktemp("inflight")
+    model = build_model(root / "model")
+    stage.run(model, stage.ExportConfig(atol=1e-2, inflight=True), root / "inflight")
+    stage.run(model, stage.ExportConfig(atol=1e-2), root / "plain")
+    return {"model": model, "inflight": root / "inflight", "plain": root / "plain"}
+
+
+def alone(model_dir: Path, ids: np.ndarray, mask: np.ndarray, **gen) -> list[int]:
+    """transformers' greedy tokens for one input, start token first, up to and including its EOS."""
+    row = reference(model_dir, ids[None], mask[None], num_beams=1, do_sample=False, **gen)[0].tolist()
+    eos = hf_model(model_dir).config.eos_token_id
+    return row[: row.index(eos, 1) + 1] if eos in row[1:] else row
+
+
+def test_export_records_the_masked_layout_and_old_dirs_lack_it(dirs):
+    graphs = json.loads((dirs["inflight"] / MANIFEST_FILE).read_text())
+    assert graphs[DECODER_WITH_PAST]["inputs"][:3] == ["encoder_attention_mask", "input_ids", DECODER_MASK]
+    assert DECODER_MASK not in json.loads((dirs["plain"] / MANIFEST_FILE).read_text())[DECODER_WITH_PAST]["inputs"]
+    assert supports_inflight(load_runtime(dirs["inflight"]))
+    assert not supports_inflight(load_runtime(dirs["plain"]))
+    with pytest.raises(ModelError, match="--inflight"):
+        InflightBatch(load_runtime(dirs["plain"]))
+
+
+def test_inflight_needs_separate_onnx_decoders():
+    from t5compress.export import stage
+
+    with pytest.raises(ConfigError, match="inflight"):
+        stage.ExportConfig(inflight=True, decoders="merged")
+    with pytest.raises(ConfigError, match="inflight"):
+        stage.ExportConfig(inflight=True, format="torchscript")
+
+
+def test_batch_at_a_time_on_the_masked_export_is_unchanged(dirs):
+    ids, mask = inputs(5, seed=3)
+    ours = load_runtime(dirs["inflight"]).generate(ids, mask, max_new_tokens=10)
+    np.testing.assert_array_equal(ours, load_runtime(dirs["plain"]).generate(ids, mask, max_new_tokens=10))
+
+
+def test_rows_joining_mid_generation_get_their_alone_tokens(dirs):
+    rt = load_runtime(dirs["inflight"])
+    engine = InflightBatch(rt)
+    ids, mask = inputs(5, seed=1)
+    # (arrival step, request key, rows of `ids`, settings): different lengths, settings and processors share steps
+    plan = [
+        (0, "long", [0], dict(max_new_tokens=16)),
+        (2, "short", [1], dict(max_new_tokens=3)),
+        (3, "pair", [2, 3], dict(max_new_tokens=12, repetition_penalty=1.3, no_repeat_ngram_size=2)),
+        (5, "min", [4], dict(max_new_tokens=9, min_new_tokens=6)),
+        (6, "late", [0], dict(max_new_tokens=5)),
+    ]
+    got: dict[tuple[str, int], list[int]] = {}
+    peak = step = 0
+    while step < 40:
+        for arrive, key, rows, gen in plan:
+            if arrive == step:
+                width = int(mask[rows].sum(axis=1).max())
+                for p in engine.add(key, ids[rows, :width], mask[rows, :width], rt.settings(**gen)):
+                    got.setdefault((p.key, p.row), [rt.tokens.decoder_start]).append(p.token)
+        peak = max(peak, len(engine.rows))
+        for p in engine.step():
+            got.setdefault((p.key, p.row), [rt.tokens.decoder_start]).append(p.token)
+        step += 1
+        if not engine.rows and step > max(a for a, *_ in plan):
+            break
+    assert peak >= 4  # rows of different requests really shared steps
+    assert not engine.rows and engine.past_len == 0  # everyone left; the cache is empty again
+    for _, key, rows, gen in plan:
+        for k, r in enumerate(rows):
+            width = int(mask[r].sum())
+            assert got[(key, k)] == alone(dirs["model"], ids[r, :width], mask[r, :width], **gen), (key, k)
+
+
+def test_finished_rows_leave_and_their_cache_columns_go(dirs):
+    rt = load_runtime(dirs["inflight"])
+    engine = InflightBatch(rt)
+    ids, mask = inputs(2, seed=2)
+    engine.add("old", ids[:1], mask[:1], rt.settings(max_new_tokens=6, min_new_tokens=6))
+    for _ in range(3):
+        engine.step()
+    engine.add("new", ids[1:2, :6], mask[1:2, :6], rt.settings(max_new_tokens=20, min_new_tokens=20))
+    assert engine.past_len == 4 and engine.self_mask[1].tolist() == [0, 0, 0, 1]
+    assert engine.enc_mask.shape == (2, 12)
+    while any(r.key == "old" for r in engine.rows):
+        engine.step()
+    # the old row's 6 tokens are done: only the new row's own slots and its own input width remain
+    assert engine.self_mask.tolist() == [[1] * len(engine.rows[0].tokens[:-1])]
+    assert engine.enc_mask.shape == (1, 6)
+    key = engine.rows[0].key
+    assert engine.cancel(key) == 1 and not engine.rows and engine.step() == []
+
+
+def test_beam_requests_are_refused(dirs):
+    rt = load_runtime(dirs["inflight"])
+    ids, mask = inputs(1)
+    with pytest.raises(ConfigError, match="num_beams"):
+        InflightBatch(rt).add("beam", ids, mask, rt.settings(num_beams=2))
+
+
+def test_optimum_still_loads_the_masked_export(dirs):
+    import torch
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    model = ORTModelForSeq2SeqLM.from_pretrained(dirs["inflight"], use_merged=False)
+    ids, mask = inputs(3, seed=4)
+    out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=8,
+                         num_beams=1, do_sample=False).numpy()
+    np.testing.assert_array_equal(out, reference(dirs["model"], ids, mask, max_new_tokens=8, num_beams=1,
+                                                 do_sample=False))
