@@ -132,3 +132,132 @@ def test_optimum_still_loads_the_masked_export(dirs):
                          num_beams=1, do_sample=False).numpy()
     np.testing.assert_array_equal(out, reference(dirs["model"], ids, mask, max_new_tokens=8, num_beams=1,
                                                  do_sample=False))
+
+
+# ---- the scheduler: requests arriving at any time, streaming, cancellation -------------------------------------
+
+
+class ListSink:
+    """A Sink that keeps what it is given; `cancel` makes it report its client gone; `broken` makes it raise."""
+
+    def __init__(self, broken: bool = False):
+        self.pieces: list[list[str]] = []
+        self.result = None
+        self.errors: list[str] = []
+        self.gone = False
+        self.broken = broken
+
+    def piece(self, texts):
+        if self.broken:
+            raise ConnectionError("client went away")
+        self.pieces.append(texts)
+
+    def done(self, result):
+        self.result = result
+
+    def fail(self, message):
+        self.errors.append(message)
+
+    def cancelled(self):
+        return self.gone
+
+
+TEXTS = ["translate: hello world", "summarize: a b c d e f", "xyz", "the cat sat on the mat", "42 + 17 = ?"]
+
+
+def _run(scheduler, arrivals: dict[int, list], steps: int = 200) -> int:
+    """Submit arrivals[step] before each step; returns the steps run until nothing is left."""
+    for step in range(steps):
+        for job in arrivals.get(step, []):
+            scheduler.submit(job)
+        scheduler.run_once()
+        if step > max(arrivals) and not scheduler.active and not scheduler._queue:
+            return step
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_scheduler_mixes_greedy_lengths_beams_and_streams(dirs):
+    from t5compress.runtime.scheduler import Job, Scheduler
+
+    rt = load_runtime(dirs["inflight"])
+    sched = Scheduler(rt, max_rows=8)
+    assert sched.inflight
+    cases = {  # name: (arrival step, texts, settings, stream)
+        "long": (0, TEXTS[:2], dict(max_new_tokens=24, min_new_tokens=20), False),
+        "short": (1, TEXTS[2:3], dict(max_new_tokens=3), False),
+        "stream": (2, TEXTS[3:4], dict(max_new_tokens=12, repetition_penalty=1.2), True),
+        "beam": (3, TEXTS[4:5], dict(num_beams=3, num_return_sequences=2, max_new_tokens=6), False),
+    }
+    sinks = {name: ListSink() for name in cases}
+    arrivals: dict[int, list] = {}
+    for name, (step, texts, gen, stream) in cases.items():
+        arrivals.setdefault(step, []).append(Job(list(texts), rt.settings(**gen), sinks[name], stream))
+    _run(sched, arrivals)
+    for name, (_, texts, gen, _) in cases.items():
+        sink = sinks[name]
+        assert not sink.errors and sink.result is not None, name
+        n = gen.get("num_return_sequences", 1)
+        want = rt.generate_text(texts, **gen)
+        assert sink.result.texts == [want[k * n:(k + 1) * n] for k in range(len(texts))], name
+        want_ids = rt.generate(*rt.encode(texts), **gen)  # token ids: what generating this request alone returns
+        np.testing.assert_array_equal(sink.result.ids, want_ids.reshape(len(texts), n, -1), err_msg=name)
+    streamed = "".join(p[0] for p in sinks["stream"].pieces)
+    assert streamed == sinks["stream"].result.texts[0][0] and len(sinks["stream"].pieces) >= 2
+
+
+def test_short_requests_leave_before_long_ones_finish(dirs):
+    from t5compress.runtime.scheduler import Job, Scheduler
+
+    rt = load_runtime(dirs["inflight"])
+    sched = Scheduler(rt, max_rows=8)
+    long, short = ListSink(), ListSink()
+    sched.submit(Job(TEXTS[:1], rt.settings(max_new_tokens=30, min_new_tokens=30), long))
+    sched.run_once()
+    sched.submit(Job(TEXTS[1:2], rt.settings(max_new_tokens=4, min_new_tokens=4), short))
+    steps = 0
+    while short.result is None:
+        sched.run_once()
+        steps += 1
+    assert steps <= 4 and long.result is None  # done in its own 4 tokens, while the long one runs on
+    while long.result is None:
+        sched.run_once()
+    assert len(long.result.ids[0, 0]) == 31
+
+
+def test_bad_requests_get_one_error_and_the_others_go_on(dirs):
+    from t5compress.runtime.scheduler import Job, Scheduler
+
+    rt = load_runtime(dirs["inflight"])
+    sched = Scheduler(rt, max_rows=8)
+    ok, beam_stream, cancelled, broken = ListSink(), ListSink(), ListSink(), ListSink(broken=True)
+    sched.submit(Job(TEXTS[:1], rt.settings(num_beams=2), beam_stream, stream=True))
+    assert beam_stream.errors == ["stream: num_beams is 2: only greedy requests stream"]
+    sched.submit(Job(TEXTS[:1], rt.settings(max_new_tokens=16, min_new_tokens=16), ok))
+    sched.submit(Job(TEXTS[1:2], rt.settings(max_new_tokens=16, min_new_tokens=16), cancelled))
+    sched.submit(Job(TEXTS[2:3], rt.settings(max_new_tokens=16, min_new_tokens=16), broken, stream=True))
+    sched.run_once()
+    sched.run_once()
+    assert len(sched.engine.rows) == 2  # the broken stream's rows left when its piece could not be delivered
+    cancelled.gone = True
+    sched.run_once()
+    assert cancelled.errors == ["request cancelled while generating"] and len(sched.engine.rows) == 1
+    while ok.result is None:
+        sched.run_once()
+    assert ok.result.texts == [rt.generate_text(TEXTS[:1], max_new_tokens=16, min_new_tokens=16)]
+    assert not broken.errors and broken.result is None and cancelled.result is None
+
+
+def test_an_old_export_is_served_batch_at_a_time(dirs):
+    from t5compress.runtime.scheduler import Job, Scheduler
+
+    rt = load_runtime(dirs["plain"])
+    sched = Scheduler(rt)
+    assert not sched.inflight
+    a, b, s = ListSink(), ListSink(), ListSink()
+    sched.submit(Job(TEXTS[:2], rt.settings(max_new_tokens=6), a))
+    sched.submit(Job(TEXTS[2:3], rt.settings(max_new_tokens=6), b))
+    sched.submit(Job(TEXTS[:1], rt.settings(), s, stream=True))
+    sched.run_once()
+    assert a.result.texts == [[t] for t in rt.generate_text(TEXTS[:2], max_new_tokens=6)]
+    assert b.result.texts == [rt.generate_text(TEXTS[2:3], max_new_tokens=6)]
+    assert s.errors and "--inflight" in s.errors[0]
