@@ -216,7 +216,8 @@ class Scheduler:
         full = self.runtime.tokenizer.decode(job.rows)
         new = []
         for i, text in enumerate(full):
-            # A token can end inside a character (byte-level vocabularies): hold it until the text only grows.
+            # A token can end inside a character (byte-level vocabularies): hold that back until it is whole.
+            text = text.rstrip("\ufffd")
             grown = text.startswith(job.sent[i]) and len(text) > len(job.sent[i])
             new.append(text[len(job.sent[i]):] if grown else "")
             job.sent[i] = text if grown else job.sent[i]
