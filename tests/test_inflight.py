@@ -381,3 +381,45 @@ def test_served_old_export_is_batch_at_a_time_and_says_it_cannot_stream(served, 
     with pytest.raises(ClientError, match="--inflight"):
         stream_infer(c, "t5", TEXTS[:1])
     c.close()
+
+
+def test_cli_triton_inflight_happy_path_and_bad_input(dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from t5compress.cli import app
+    from t5compress.triton import config as pbtxt
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["triton", str(dirs["inflight"]), str(tmp_path / "repo"), "--inflight"])
+    assert result.exit_code == 0, result.output
+    cfg = pbtxt.parse_config(tmp_path / "repo" / "t5" / "config.pbtxt")
+    assert cfg.model_transaction_policy.decoupled and cfg.HasField("dynamic_batching")
+    assert [i.name for i in cfg.input][-1] == "stream" and cfg.input[-1].optional
+    assert cfg.parameters["max_inflight_rows"].string_value == "32"
+    report = json.loads((tmp_path / "repo" / "report.json").read_text())
+    assert report["decoupled"] and report["inflight_batching"]
+    plain = runner.invoke(app, ["triton", str(dirs["plain"]), str(tmp_path / "old"), "--inflight"])
+    assert plain.exit_code == 0 and not json.loads((tmp_path / "old" / "report.json").read_text())["inflight_batching"]
+    bad = runner.invoke(app, ["triton", str(dirs["inflight"]), str(tmp_path / "r2"), "--inflight", "--portable"])
+    assert bad.exit_code != 0 and "inflight" in bad.output and "Traceback" not in bad.output
+    assert not (tmp_path / "r2").exists()
+
+
+@pytest.mark.slow
+def test_bench_triton_cli_times_the_first_streamed_piece(served, tmp_path):
+    from typer.testing import CliRunner
+
+    from t5compress.cli import app
+
+    server, out = served["inflight"], tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench-triton", server.http_url, "--grpc-url", server.grpc_url, "--protocol",
+                                      "grpc-stream", "--concurrency", "1", "--concurrency", "3", "--requests", "6",
+                                      "--max-new-tokens", "12", "--min-new-tokens", "12", "--text", TEXTS[0],
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["protocol"], r["concurrency"], r["ok"], r["errors"]) for r in rows] == [
+        ("grpc-stream", 1, 6, 0), ("grpc-stream", 3, 6, 0)]
+    assert all(0 < r["first_piece_p50_ms"] < r["p50_ms"] for r in rows)
+    assert all(r["ms_per_piece_p50"] is None or r["ms_per_piece_p50"] > 0 for r in rows)  # None: a single piece
+    assert "first" in result.output  # the streamed columns (a narrow terminal wraps their headers)
