@@ -423,3 +423,28 @@ def test_bench_triton_cli_times_the_first_streamed_piece(served, tmp_path):
     assert all(0 < r["first_piece_p50_ms"] < r["p50_ms"] for r in rows)
     assert all(r["ms_per_piece_p50"] is None or r["ms_per_piece_p50"] > 0 for r in rows)  # None: a single piece
     assert "first" in result.output  # the streamed columns (a narrow terminal wraps their headers)
+
+
+def test_a_static_int8_export_keeps_the_layout_and_joins_rows_as_it_decodes_alone(dirs, tmp_path, demo_jsonl):
+    from t5compress.quantize import QuantizeConfig, run
+
+    # This random model's tokens are near ties that int8 flips (test_runtime's factor-3 init): agreement with fp32
+    # is not what is tested here, so its floor is off; joining rows must still match the int8 graphs alone.
+    cfg = QuantizeConfig(mode="static", calib_data=str(demo_jsonl), samples=32, min_agreement=0.0)
+    run(dirs["inflight"], cfg, tmp_path / "int8")
+    rt = load_runtime(tmp_path / "int8")
+    assert supports_inflight(rt)
+    engine = InflightBatch(rt)
+    ids, mask = inputs(3, seed=5)
+    got: dict[int, list[int]] = {}
+    for step in range(30):
+        if step < 3:  # one input joins at each of the first three steps
+            width = int(mask[step].sum())
+            for p in engine.add(step, ids[step:step + 1, :width], mask[step:step + 1, :width], rt.settings()):
+                got.setdefault(p.key, [rt.tokens.decoder_start]).append(p.token)
+        for p in engine.step():
+            got.setdefault(p.key, [rt.tokens.decoder_start]).append(p.token)
+    for k in range(3):
+        width = int(mask[k].sum())
+        want = rt.generate(ids[k:k + 1, :width], mask[k:k + 1, :width])[0].tolist()
+        assert got[k] == want and len(want) >= 3, k

@@ -3,7 +3,8 @@
 On an in-flight export (export --inflight) greedy requests join the running `InflightBatch` at the next decoder step,
 whatever their max_new_tokens or logits processors, and may stream: after every step a streaming request is told the
 new text of each of its rows. Beam requests, and every request on an older export (its graphs.json says so), are
-generated batch-at-a-time: those waiting together with the same settings as one `generate` call, between two steps.
+generated batch-at-a-time: those waiting together with the same settings as one `generate` call, on a second thread
+once `start`ed (so a beam batch does not hold up the greedy rows' steps), inline in `run_once` otherwise.
 
     scheduler = Scheduler(runtime, max_rows=32)
     scheduler.start()                                      # a daemon thread runs the loop
@@ -20,6 +21,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,6 +89,7 @@ class Scheduler:
         self._keys = itertools.count()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._batches: ThreadPoolExecutor | None = None  # batch-at-a-time groups, once started
 
     @property
     def inflight(self) -> bool:
@@ -106,6 +109,7 @@ class Scheduler:
             self._wake.notify()
 
     def start(self) -> None:
+        self._batches = ThreadPoolExecutor(1, thread_name_prefix="t5compress-batches")
         self._thread = threading.Thread(target=self._loop, name="t5compress-scheduler", daemon=True)
         self._thread.start()
 
@@ -115,6 +119,8 @@ class Scheduler:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._batches is not None:
+            self._batches.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
         while not self._stopped:
@@ -130,7 +136,10 @@ class Scheduler:
         for job in greedy:
             self._join(job)
         for group in _groups(batch):
-            self._batch(group)
+            if self._batches is not None:
+                self._batches.submit(self._batch, group)  # ONNX Runtime sessions run concurrently
+            else:
+                self._batch(group)
         self._drop_cancelled()
         if self.engine is not None and self.engine.rows:
             self._emit(self.engine.step())
