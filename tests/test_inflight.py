@@ -448,3 +448,27 @@ def test_a_static_int8_export_keeps_the_layout_and_joins_rows_as_it_decodes_alon
         width = int(mask[k].sum())
         want = rt.generate(ids[k:k + 1, :width], mask[k:k + 1, :width])[0].tolist()
         assert got[k] == want and len(want) >= 3, k
+
+
+def test_export_verification_checks_left_padded_rows_and_would_catch_an_ignored_mask(dirs):
+    from t5compress.export.verify import left_padded_run
+    from t5compress.runtime.sessions import OnnxGraph
+
+    graph = OnnxGraph(dirs["inflight"] / f"{DECODER_WITH_PAST}.onnx", 1)
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(3, 300, (2, 1)), "encoder_attention_mask": np.ones((2, 5), dtype=np.int64),
+             DECODER_MASK: np.ones((2, 4), dtype=np.int64)}
+    for n in graph.input_names:
+        if n.startswith("past_key_values."):
+            feeds[n] = rng.standard_normal((2, 4, 3 if ".decoder." in n else 5, 8)).astype(np.float32)
+    want = graph.run(feeds)
+    got = left_padded_run(graph, feeds)
+    for n, v in want.items():
+        np.testing.assert_allclose(got[n], v, atol=1e-5, err_msg=n)
+    unmasked = dict(feeds, **{DECODER_MASK: np.ones((2, 6), dtype=np.int64)})  # padding slots attended to
+    for n, v in feeds.items():
+        if ".decoder." in n:
+            unmasked[n] = np.pad(v, ((0, 0), (0, 0), (2, 0), (0, 0)))
+    assert np.abs(graph.run(unmasked)["logits"] - want["logits"]).max() > 1e-3
+    report = json.loads((dirs["inflight"] / "report.json").read_text())
+    assert report["inflight"] is True and report["parity"]  # the export ran the padded check and passed
