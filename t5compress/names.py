@@ -39,12 +39,20 @@ def present_names(num_decoder_layers: int, cross: bool = True) -> list[str]:
     return past_names(num_decoder_layers, prefix="present", cross=cross)
 
 
+# The in-flight layout's extra decoder_with_past_model input, (batch, past_len + 1) int64: 0 for self-attention cache
+# slots that hold no token (rows left-padded to share a step). optimum's name for a decoder's own mask.
+DECODER_MASK = "attention_mask"
+
 MANIFEST_FILE = "graphs.json"  # in every export dir: each graph's input and output names in positional order
 
 
-def graph_io(num_decoder_layers: int) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
-    """(inputs, outputs) of each graph in positional order: optimum's order, also TorchScript's argument order."""
+def graph_io(num_decoder_layers: int, masked_past: bool = False) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """(inputs, outputs) of each graph in positional order: optimum's order, also TorchScript's argument order.
+
+    `masked_past`: the in-flight layout, whose decoder_with_past_model also takes `DECODER_MASK` after input_ids.
+    """
     layers = num_decoder_layers
+    mask = (DECODER_MASK,) if masked_past else ()
     return {
         ENCODER: (("input_ids", "attention_mask"), ("last_hidden_state",)),
         DECODER: (
@@ -52,7 +60,7 @@ def graph_io(num_decoder_layers: int) -> dict[str, tuple[tuple[str, ...], tuple[
             ("logits", *present_names(layers)),
         ),
         DECODER_WITH_PAST: (
-            ("encoder_attention_mask", "input_ids", *past_names(layers)),
+            ("encoder_attention_mask", "input_ids", *mask, *past_names(layers)),
             ("logits", *present_names(layers, cross=False)),
         ),
     }

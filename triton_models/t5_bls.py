@@ -8,6 +8,13 @@ models it calls are ONNX Runtime backend models, or python models running ONNX R
 
 Requests that arrive together (dynamic batching) are generated together: one encoder call and one decoder call per
 step for all of them, grouped by their generation settings.
+
+Decoupled (`t5compress triton --inflight`): `execute` hands each request to a `runtime.scheduler.Scheduler` and
+returns at once; the scheduler's thread answers through the request's response sender. On an export with the
+in-flight layout (its graphs.json lists decoder_with_past_model's `attention_mask`), greedy requests join the
+running batch at the next decoder step and leave when their own rows are done, and a request with `stream` true
+gets a response per step with each text's new piece, then the final one; beam requests, and all requests on an
+older export, are generated batch-at-a-time between steps. Clients use gRPC streaming.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the copy of t5compre
 
 import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by the python backend stub)
 
-from t5compress.runtime import Seq2SeqRuntime, load_runtime  # noqa: E402
+from t5compress.runtime import GenerationSettings, Seq2SeqRuntime, load_runtime  # noqa: E402
+from t5compress.runtime.scheduler import Job, Result, Scheduler, crop  # noqa: E402
 from t5compress.runtime.sessions import Backend  # noqa: E402
 from t5compress.runtime.settings import read_generation_defaults  # noqa: E402
 
@@ -31,6 +39,7 @@ OUTPUT_TEXT = "OUTPUT_TEXT"
 OUTPUT_IDS = "OUTPUT_IDS"
 INPUT_TOKENS = "INPUT_TOKENS"  # per text: its tokens before truncation (EOS included)
 TRUNCATED = "TRUNCATED"  # per text: whether it was cut to the model's input limit
+STREAM = "stream"  # decoupled model only: BOOL, true for a response per decoder step (greedy)
 # Optional request inputs: the GenerationSettings field each one sets, and how to read its value.
 SETTINGS = {
     "max_new_tokens": int,
@@ -92,8 +101,23 @@ class TritonPythonModel:
         self.max_new_tokens = int(params.get("max_new_tokens", "512"))
         limit = int(params.get("max_input_tokens", "-1"))  # -1: the export's own limit (tokenizer_config.json)
         self.max_input_tokens = None if limit < 0 else limit
+        self.scheduler = None
+        if params.get("decoupled") == "1":
+            self.scheduler = Scheduler(self.runtime, int(params.get("max_inflight_rows", "32")),
+                                       self.max_input_tokens)
+            self.scheduler.start()
+            how = "in-flight batching" if self.scheduler.inflight else "batch-at-a-time (export has no --inflight)"
+            pb_utils.Logger.log_info(f"{config['name']}: decoupled, {how}")
 
-    def execute(self, requests) -> list:
+    def finalize(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    def execute(self, requests) -> list | None:
+        if self.scheduler is not None:
+            for request in requests:
+                self._submit(request)
+            return None
         responses: list = [None] * len(requests)
         groups: dict[tuple, list[tuple[int, list[str]]]] = {}
         for i, request in enumerate(requests):
@@ -113,9 +137,21 @@ class TritonPythonModel:
             start = 0
             for i, texts in members:
                 strings, ids, lengths, cut = (o[start:start + len(texts)] for o in outputs)
-                responses[i] = _response(strings, self._crop(np.stack(ids)), lengths, cut)
+                responses[i] = _response(strings, crop(np.stack(ids), self.runtime.tokens.eos), lengths, cut)
                 start += len(texts)
         return responses
+
+    def _submit(self, request) -> None:
+        """Decoupled: queue the request with the scheduler, or answer its error now."""
+        sink = SenderSink(request)
+        try:
+            texts, settings = self._parse(request)
+            tensor = pb_utils.get_input_tensor_by_name(request, STREAM)
+            stream = tensor is not None and bool(tensor.as_numpy().reshape(-1).any())
+        except Exception as e:  # noqa: BLE001 -- the request gets its error, the model goes on
+            sink.fail(_line(e))
+            return
+        self.scheduler.submit(Job(texts, GenerationSettings(**settings), sink, stream))
 
     def _parse(self, request) -> tuple[list[str], dict]:
         tensor = pb_utils.get_input_tensor_by_name(request, TEXT)
@@ -151,17 +187,6 @@ class TritonPythonModel:
         return ([decoded[k * n:(k + 1) * n] for k in range(len(texts))],
                 [out[k * n:(k + 1) * n] for k in range(len(texts))], list(enc.lengths), list(enc.truncated))
 
-    def _crop(self, ids: np.ndarray) -> np.ndarray:
-        """(texts, n, len) ids of one request, cut to its own longest row: what generating it alone returns.
-
-        A row is as long as the start token plus its tokens up to the first EOS, or the whole width if it has none;
-        rows generated together with longer ones (other requests of the batch) are only padded after that, with the
-        runtime's fill value, which the cut keeps.
-        """
-        eos = np.isin(ids[..., 1:], list(self.runtime.tokens.eos))  # (texts, n, len - 1)
-        lengths = np.where(eos.any(axis=-1), eos.argmax(axis=-1) + 2, ids.shape[-1])
-        return ids[..., : int(lengths.max())]
-
 
 def _response(texts: list[list[str]], ids: np.ndarray, lengths: list[int], cut: list[bool]):
     """texts: per text its n strings; ids: (batch, n, longest) int64; lengths, cut: per text."""
@@ -174,5 +199,36 @@ def _response(texts: list[list[str]], ids: np.ndarray, lengths: list[int], cut: 
     ])
 
 
+def _line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else repr(e)
+
+
 def _error(e: Exception):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e).splitlines()[0] if str(e) else repr(e)))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(_line(e)))
+
+
+class SenderSink:
+    """`runtime.scheduler.Sink` over a decoupled request's response sender."""
+
+    def __init__(self, request):
+        self.request, self.sender = request, request.get_response_sender()
+        self.id = request.request_id() or "-"
+
+    def piece(self, texts: list[str]) -> None:
+        text = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)  # (batch, 1): the new text
+        self.sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(OUTPUT_TEXT, text)]))
+
+    def done(self, result: Result) -> None:
+        response = _response(result.texts, result.ids, list(result.lengths), list(result.truncated))
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def fail(self, message: str) -> None:
+        pb_utils.Logger.log_warn(f"request {self.id}: {message}")
+        if not self.cancelled():  # a cancelled request's sender takes no more responses
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def cancelled(self) -> bool:
+        return bool(self.sender.is_cancelled())

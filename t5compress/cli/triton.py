@@ -87,7 +87,9 @@ PERF_ANALYZER_HELP = "Run NVIDIA's perf_analyzer (must be on PATH) instead of th
 def bench_triton(
     url: Annotated[str, typer.Argument(help="The server's HTTP endpoint, host:port.")],
     model: Annotated[str, typer.Option(help="Served model name.")] = "t5",
-    protocol: Annotated[list[str], typer.Option(help="http and/or grpc (repeat the option).")] = ["http"],  # noqa: B006
+    protocol: Annotated[list[str], typer.Option(help="http, grpc and/or grpc-stream (repeat the option); "
+                                                "grpc-stream: a decoupled model (triton --inflight), streamed, "
+                                                "timing the first piece and each later one.")] = ["http"],  # noqa: B006
     grpc_url: Annotated[str | None, typer.Option(help="gRPC endpoint (default: URL's host, port + 1).")] = None,
     concurrency: Annotated[list[int], typer.Option(help="Concurrent clients (repeat for several levels).")] = [1, 8],  # noqa: B006
     requests: Annotated[int, typer.Option(min=1, help="Requests per level (bounded load).")] = 64,
@@ -109,7 +111,7 @@ def bench_triton(
         return
     host = url.removeprefix("http://").rsplit(":", 1)
     grpc = grpc_url or (f"{host[0]}:{int(host[1]) + 1}" if len(host) == 2 and host[1].isdigit() else None)
-    if "grpc" in protocol and grpc is None:
+    if any(p.startswith("grpc") for p in protocol) and grpc is None:
         fail("pass --grpc-url (URL has no port to derive it from)")
     texts = list(text or DEFAULT_TEXTS)
     settings = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams)
@@ -118,11 +120,15 @@ def bench_triton(
         for c in concurrency:
             rows.append(measure(url if p == "http" else grpc, model, p, c, requests, texts, **settings))
     t = Table(title=f"{model} at {url}: {requests} requests per row", title_justify="left")
-    for col in ("protocol", "clients", "ok", "errors", "p50 ms", "p90 ms", "p99 ms", "req/s"):
+    streamed = any("first_piece_p50_ms" in r for r in rows)
+    columns = ["protocol", "clients", "ok", "errors", "p50 ms", "p90 ms", "p99 ms", "req/s"]
+    for col in columns + (["first piece p50 ms", "ms/piece"] if streamed else []):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["protocol"], str(r["concurrency"]), str(r["ok"]), str(r["errors"]), str(r["p50_ms"]),
-                  str(r["p90_ms"]), str(r["p99_ms"]), str(r["throughput_rps"]))
+        cells = [r["protocol"], r["concurrency"], r["ok"], r["errors"], r["p50_ms"], r["p90_ms"], r["p99_ms"],
+                 r["throughput_rps"]]
+        cells += [r.get("first_piece_p50_ms", "-"), r.get("ms_per_piece_p50", "-")] if streamed else []
+        t.add_row(*map(str, cells))
     console.print(t)
     if out:
         artifacts.write_json(out, {"url": url, "model": model, "texts": texts, "settings": settings, "rows": rows})

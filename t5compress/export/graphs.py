@@ -15,6 +15,12 @@ the same order as the ONNX graph's outputs (`graphs.json` in every export dir sp
                               past_key_values.0.encoder.value, past_key_values.1.decoder.key, ...)
                              -> (logits, present.0.decoder.key, present.0.decoder.value, present.1.decoder.key, ...)
 
+With `masked_past=True` (the in-flight layout, see `runtime.inflight`) decoder_with_past_model also takes
+`attention_mask` (batch, past_len + 1) right after input_ids: 0 marks self-attention cache slots that hold no token.
+T5's self-attention position bias depends only on key position - query position, so a row whose real entries are
+right-aligned behind masked slots (left-padded) decodes exactly as it would alone: rows at different decoder
+positions share one step. The name is optimum's for a decoder's own mask (it feeds ones), so optimum still loads it.
+
 Shapes: ids and masks int64 (batch, len); hidden (batch, enc_len, d_model); cache (batch, heads, len, d_kv);
 logits (batch, dec_len, vocab). decoder_with_past takes exactly one new token per row. The wrappers call the
 model's own modules (attention, relative position bias, cache objects): nothing of T5 is re-implemented.
@@ -32,6 +38,7 @@ from t5compress.names import (
     BATCH,
     DEC_LEN,
     DECODER,
+    DECODER_MASK,
     DECODER_WITH_PAST,
     ENC_LEN,
     ENCODER,
@@ -156,6 +163,28 @@ class DecoderWithPastGraph(_DecoderStep):
         return (self.logits(out.last_hidden_state), *flatten_cache(out.past_key_values, self.layers, cross=False))
 
 
+class MaskedDecoderWithPastGraph(_DecoderStep):
+    """Later steps of the in-flight layout: as DecoderWithPastGraph, plus the self-attention mask over past + new."""
+
+    def forward(
+        self, encoder_attention_mask: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        cache = EncoderDecoderCache.from_legacy_cache(tuple(past[i : i + 4] for i in range(0, len(past), 4)))
+        out = self.decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,  # (batch, past_len + 1): 0 for cache slots that hold no token
+            encoder_hidden_states=past[2][:, 0],  # a stand-in, as in DecoderWithPastGraph
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+        )
+        return (self.logits(out.last_hidden_state), *flatten_cache(out.past_key_values, self.layers, cross=False))
+
+
 def _ids(config, batch: int, length: int) -> torch.Tensor:
     return torch.randint(3, config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
 
@@ -191,14 +220,31 @@ def _with_past_dummy(config, s: DummySizes) -> tuple[torch.Tensor, ...]:
     return (_mask(s.batch, s.enc_len), _ids(config, s.batch, 1), *_cache(config, s))
 
 
+def _masked_past_dummy(config, s: DummySizes) -> tuple[torch.Tensor, ...]:
+    self_mask = torch.ones(s.batch, s.past_len + 1, dtype=torch.long)
+    self_mask[-1, : s.past_len - 1] = 0  # a row that joined later: its cache left-padded, so the mask is traced
+    return (_mask(s.batch, s.enc_len), _ids(config, s.batch, 1), self_mask, *_cache(config, s))
+
+
 def _cache_axes(names: list[str], self_len: str) -> dict[str, dict[int, str]]:
     return {n: {0: BATCH, 2: self_len if ".decoder." in n else ENC_LEN} for n in names}
 
 
-def graph_specs(config) -> dict[str, GraphSpec]:
-    """The encoder, decoder and decoder-with-past graphs of a T5 config, keyed by file stem."""
+def graph_specs(config, masked_past: bool = False) -> dict[str, GraphSpec]:
+    """The encoder, decoder and decoder-with-past graphs of a T5 config, keyed by file stem.
+
+    `masked_past`: decoder_with_past_model takes the self-attention `attention_mask` too (the in-flight layout).
+    """
     layers = config.num_decoder_layers
-    io = graph_io(layers)
+    io = graph_io(layers, masked_past)
+    past_axes = {
+        "encoder_attention_mask": {0: BATCH, 1: ENC_LEN},
+        "input_ids": {0: BATCH},  # one new token per row
+        **({DECODER_MASK: {0: BATCH, 1: PAST_DEC_LEN_OUT}} if masked_past else {}),
+        "logits": {0: BATCH},
+        **_cache_axes(past_names(layers), PAST_DEC_LEN),
+        **_cache_axes(present_names(layers, cross=False), PAST_DEC_LEN_OUT),
+    }
     return {
         ENCODER: GraphSpec(
             ENCODER,
@@ -223,15 +269,9 @@ def graph_specs(config) -> dict[str, GraphSpec]:
         DECODER_WITH_PAST: GraphSpec(
             DECODER_WITH_PAST,
             *io[DECODER_WITH_PAST],
-            {
-                "encoder_attention_mask": {0: BATCH, 1: ENC_LEN},
-                "input_ids": {0: BATCH},  # one new token per row
-                "logits": {0: BATCH},
-                **_cache_axes(past_names(layers), PAST_DEC_LEN),
-                **_cache_axes(present_names(layers, cross=False), PAST_DEC_LEN_OUT),
-            },
-            DecoderWithPastGraph,
-            _with_past_dummy,
+            past_axes,
+            MaskedDecoderWithPastGraph if masked_past else DecoderWithPastGraph,
+            _masked_past_dummy if masked_past else _with_past_dummy,
         ),
     }
 

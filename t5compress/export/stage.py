@@ -61,6 +61,11 @@ class ExportConfig:
         " once), or both.",
     )
     merged: bool = option(False, help="Also write decoder_model_merged.onnx (the same as decoders='both').")
+    inflight: bool = option(
+        False,
+        help="decoder_with_past_model also takes the decoder's attention_mask (batch, past + 1), so requests at"
+        " different decoder positions can share a step (in-flight batching in Triton); ONNX, separate decoders.",
+    )
     optimize: bool = option(False, help="Replace the ONNX graphs by ONNX Runtime's offline-optimised ones (CPU).")
     optimize_level: str = option("extended", help="ONNX Runtime optimisation level: basic or extended.")
     atol: float = option(1e-4, help="Absolute part of the parity tolerance: each output tensor (logits, cache) must be"
@@ -87,6 +92,8 @@ class ExportConfig:
         require(self.external_data_threshold >= 0, "external_data_threshold", "must be >= 0")
         onnx_only = self.format == "onnx" or not (self.layout != "separate" or self.optimize)
         require(onnx_only, "format", "--merged, --decoders and --optimize apply to ONNX exports only")
+        require(not self.inflight or (self.format == "onnx" and self.layout == "separate"), "inflight",
+                "needs an ONNX export with separate decoders (the merged decoder has no attention_mask input)")
 
     @property
     def layout(self) -> str:
@@ -119,7 +126,8 @@ def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportCo
         if name not in cfg.graphs:  # merged alone: the two decoders were only its parts
             remove_graph(out, name)
     names = list(cfg.graphs)
-    section: dict = {"opset": cfg.opset, "external_data": external, "decoders": cfg.layout, "graphs": names}
+    section: dict = {"opset": cfg.opset, "external_data": external, "decoders": cfg.layout, "graphs": names,
+                     "inflight": cfg.inflight}
     section["parity"] = verify(model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, "ONNX export", cfg.rtol)
     if cfg.optimize:
         for name in names:
@@ -157,7 +165,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
     hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
     if hook is not None:
         model, exporter = hook(src, model)
-    specs = graph_specs(model.config)
+    specs = graph_specs(model.config, masked_past=cfg.inflight)
     started = time.perf_counter()
     with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
         section = exporter(model, specs, tmp, cfg)

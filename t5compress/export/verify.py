@@ -20,6 +20,7 @@ from t5compress.errors import ExportError
 from t5compress.export.graphs import GraphSpec, flatten_cache
 from t5compress.names import (
     DECODER,
+    DECODER_MASK,
     DECODER_MERGED,
     DECODER_WITH_PAST,
     ENCODER,
@@ -107,6 +108,7 @@ def _comparisons(model, graphs: dict[str, Graph], seed: int) -> Iterator[tuple[s
         cache = flatten_cache(full.past_key_values, layers, cross=True)
         first_want = {"logits": logits, **_named(cache, present_names(layers))}
         past_in = {"encoder_attention_mask": mask, "input_ids": dec[:, -1:],
+                   DECODER_MASK: np.ones((batch, dec_len), dtype=np.int64),  # in-flight layout only: all real
                    **_named(flatten_cache(prefix.past_key_values, layers, True), past_names(layers))}
         self_names = present_names(layers, cross=False)
         past_want = {"logits": logits[:, -1:], **{n: first_want[n] for n in self_names}}
@@ -122,6 +124,8 @@ def _comparisons(model, graphs: dict[str, Graph], seed: int) -> Iterator[tuple[s
         for name, graph in graphs.items():
             for feeds, want in checks[name]:
                 yield name, graph.run(feeds), want
+            if name == DECODER_WITH_PAST and DECODER_MASK in graph.input_names:
+                yield name, left_padded_run(graph, past_in), past_want
 
 
 def logits_parity(model, graphs: dict[str, Graph], seed: int = 0) -> dict[str, float]:
@@ -154,6 +158,19 @@ def tensor_parity(
             if row["worst"] is None or ratio > row["worst"]["ratio"]:
                 row["worst"] = {"output": tensor, "abs_diff": d, "scale": scale, "allowed": allowed, "ratio": ratio}
     return out
+
+
+def left_padded_run(graph: Graph, feeds: dict[str, np.ndarray], pad: int = 2) -> dict[str, np.ndarray]:
+    """The in-flight layout's claim, checked: run a masked decoder_with_past_model with every row's self-attention
+    cache left-padded by `pad` masked slots; its outputs, padding cut off, must equal the unpadded run's."""
+    padded = dict(feeds)
+    for n, v in feeds.items():
+        if n.startswith("past_key_values.") and ".decoder." in n:  # (batch, heads, past_len, d_kv)
+            padded[n] = np.pad(v, ((0, 0), (0, 0), (pad, 0), (0, 0)))
+    mask = feeds[DECODER_MASK]  # (batch, past_len + 1)
+    padded[DECODER_MASK] = np.concatenate([np.zeros((mask.shape[0], pad), dtype=mask.dtype), mask], axis=1)
+    out = graph.run(padded)
+    return {n: (v[:, :, pad:] if ".decoder." in n else v) for n, v in out.items()}
 
 
 def _empty_past(past_in: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -8,9 +8,14 @@ truncated, and `generate_results` says which were; ByT5-style byte-level dirs ne
     from t5compress.runtime import load_runtime
     rt = load_runtime("export-dir", threads=1)
     rt.generate_text(["translate: hello"], num_beams=4)
+
+On an export made with `--inflight`, `InflightBatch` lets greedy requests join a running batch at any decoder step,
+and `Scheduler` serves requests that arrive at any time with it (what the Triton text model runs with --inflight).
 """
 
+from t5compress.runtime.inflight import InflightBatch, Piece, supports_inflight
 from t5compress.runtime.model import CachedDecoder, Seq2SeqRuntime, TextResult, load_runtime
+from t5compress.runtime.scheduler import Job, Result, Scheduler
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, detect_format, open_backend, session_options
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens
@@ -22,7 +27,12 @@ __all__ = [
     "CachedDecoder",
     "Encoded",
     "GenerationSettings",
+    "InflightBatch",
+    "Job",
     "JsonTokenizer",
+    "Piece",
+    "Result",
+    "Scheduler",
     "Seq2SeqRuntime",
     "SpecialTokens",
     "TextResult",
@@ -32,4 +42,5 @@ __all__ = [
     "load_runtime",
     "open_backend",
     "session_options",
+    "supports_inflight",
 ]

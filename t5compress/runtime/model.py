@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from t5compress.errors import DataError, ModelError
+from t5compress.names import DECODER_MASK
 from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
@@ -52,6 +53,9 @@ class CachedDecoder:
         if not self.self_cache:
             return self._first(tokens[:: self.beams])
         feeds = {"input_ids": tokens[:, None], "encoder_attention_mask": self.mask}
+        if DECODER_MASK in self.backend.decoder_with_past.input_names:  # in-flight layout: every slot is a token
+            past_len = next(iter(self.self_cache.values())).shape[2]
+            feeds[DECODER_MASK] = np.ones((tokens.shape[0], past_len + 1), dtype=np.int64)
         feeds.update(_as_past(self.self_cache))
         feeds.update(_as_past(self.cross_cache))
         out = self.backend.decoder_with_past.run(feeds)

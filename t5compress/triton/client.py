@@ -2,6 +2,10 @@
 
     generate("127.0.0.1:8000", "t5", ["translate: hi"], num_beams=4)  -> [["..."]]
     measure("127.0.0.1:8000", "t5", "http", concurrency=8, requests=200, texts=[...])  -> latency percentiles
+    stream_infer(connect("127.0.0.1:8001", "grpc"), "t5", ["hi"])  -> pieces as decoded, then the texts
+
+A decoupled text model (`t5compress triton --inflight`) answers over gRPC streams only: `stream_infer`, or the
+`grpc-stream` protocol of `measure`, which also times the first streamed piece and the pieces after it.
 
 Each client thread owns its connection (tritonclient's clients are not shared between threads).
 """
@@ -9,19 +13,22 @@ Each client thread owns its connection (tritonclient's clients are not shared be
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from t5compress.errors import ConfigError, T5CompressError, first_line
-from t5compress.triton.repository import GENERATION_INPUTS
+from t5compress.triton.repository import GENERATION_INPUTS, STREAM_INPUT
 
 log = logging.getLogger(__name__)
 
-PROTOCOLS = ("http", "grpc")
+STREAMING = "grpc-stream"  # gRPC streaming with `stream` true: a decoupled model's pieces as they are decoded
+PROTOCOLS = ("http", "grpc", STREAMING)
 NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_STRING": np.object_}
 WIRE_TYPES = {"TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_STRING": "BYTES"}
 
@@ -33,6 +40,7 @@ class ClientError(T5CompressError):
 def _module(protocol: str):
     if protocol not in PROTOCOLS:
         raise ConfigError(f"unknown protocol {protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
+    protocol = "grpc" if protocol == STREAMING else protocol
     try:
         if protocol == "http":
             import tritonclient.http as module
@@ -91,6 +99,55 @@ def infer(client, protocol: str, model: str, texts: Sequence[str], **settings: A
     return [[t.decode("utf-8") for t in row] for row in result.as_numpy("OUTPUT_TEXT")]
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """A decoupled model's answer: the final texts, and the pieces streamed before them with their times."""
+
+    texts: list[list[str]]  # per text, its num_return_sequences outputs
+    pieces: list[list[str]]  # per streamed response, the new text of each input text
+    piece_seconds: list[float]  # when each piece arrived, seconds after the request was sent
+    seconds: float  # when the final response arrived
+
+
+def stream_infer(client, model: str, texts: Sequence[str], stream: bool = True, timeout: float = 120.0,
+                 **settings: Any) -> Streamed:
+    """One request to a decoupled model over a gRPC stream of `client` (a tritonclient.grpc client)."""
+    import tritonclient.grpc as grpc
+
+    answers: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((time.perf_counter(), result, error)))
+        flag = grpc.InferInput(STREAM_INPUT, [len(texts), 1], "BOOL")
+        flag.set_data_from_numpy(np.full((len(texts), 1), stream, dtype=np.bool_))
+        started = time.perf_counter()
+        client.async_stream_infer(model, [*inputs("grpc", texts, **settings), flag], enable_empty_final_response=True)
+        pieces, times, final = [], [], None
+        while True:
+            try:
+                at, result, error = answers.get(timeout=timeout)
+            except queue.Empty:
+                raise ClientError(f"{model}: no answer within {timeout:.0f} s") from None
+            if error is not None:
+                raise ClientError(f"{model}: {first_line(error)}")
+            text = result.as_numpy("OUTPUT_TEXT")
+            if result.as_numpy("OUTPUT_IDS") is not None:
+                final = [[t.decode("utf-8") for t in row] for row in text]
+            elif text is not None:
+                pieces.append([t.decode("utf-8") for t in text.reshape(-1)])
+                times.append(at - started)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    except T5CompressError:
+        raise
+    except Exception as e:  # InferenceServerException, grpc errors
+        raise ClientError(f"{model}: {first_line(e)}") from None
+    finally:
+        client.stop_stream()
+    if final is None:
+        raise ClientError(f"{model}: the stream ended without a final answer")
+    return Streamed(final, pieces, times, at - started)
+
+
 def generate(url: str, model: str, texts: Sequence[str], protocol: str = "http", **settings: Any) -> list[list[str]]:
     client = connect(url, protocol)
     try:
@@ -106,7 +163,7 @@ def measure(url: str, model: str, protocol: str, concurrency: int, requests: int
         raise ConfigError("measure needs concurrency >= 1, requests >= 1 and at least one text")
     warm = connect(url, protocol)
     for k in range(warmup):
-        infer(warm, protocol, model, [texts[k % len(texts)]], **settings)
+        _timed(warm, protocol, model, texts[k % len(texts)], settings)
     warm.close()
     latencies: list[float] = []
     errors: list[str] = []
@@ -121,15 +178,14 @@ def measure(url: str, model: str, protocol: str, concurrency: int, requests: int
                     k = next(counter, None)
                 if k is None:
                     return
-                t0 = time.perf_counter()
                 try:
-                    infer(client, protocol, model, [texts[k % len(texts)]], **settings)
+                    timing = _timed(client, protocol, model, texts[k % len(texts)], settings)
                 except ClientError as e:
                     with lock:
                         errors.append(str(e))
                     continue
                 with lock:
-                    latencies.append(time.perf_counter() - t0)
+                    latencies.append(timing)
         finally:
             client.close()
 
@@ -140,11 +196,34 @@ def measure(url: str, model: str, protocol: str, concurrency: int, requests: int
     for t in threads:
         t.join()
     wall = time.perf_counter() - started
-    ms = np.array(latencies) * 1000.0
-    pct = {f"p{q}_ms": round(float(np.percentile(ms, q)), 1) if ms.size else None for q in (50, 90, 99)}
+    pct = _percentiles(latencies)
     return {"protocol": protocol, "concurrency": concurrency, "requests": requests, "ok": len(latencies),
             "errors": len(errors), "first_error": errors[0] if errors else None, **pct,
             "throughput_rps": round(len(latencies) / wall, 2), "seconds": round(wall, 2)}
+
+
+def _timed(client, protocol: str, model: str, text: str, settings: dict) -> tuple[float, ...]:
+    """(seconds,) of one request; streamed: (seconds, first piece's seconds, seconds per later piece)."""
+    if protocol != STREAMING:
+        t0 = time.perf_counter()
+        infer(client, protocol, model, [text], **settings)
+        return (time.perf_counter() - t0,)
+    got = stream_infer(client, model, [text], **settings)
+    times = got.piece_seconds or [got.seconds]
+    per_piece = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+    return got.seconds, times[0], per_piece
+
+
+def _percentiles(timings: list[tuple[float, ...]]) -> dict[str, float | None]:
+    """p50/p90/p99 of latency in ms; for streams also the first piece's p50/p90 and the p50 ms per later piece."""
+    ms = np.array([t[0] for t in timings]) * 1000.0
+    out = {f"p{q}_ms": round(float(np.percentile(ms, q)), 1) if ms.size else None for q in (50, 90, 99)}
+    if timings and len(timings[0]) == 3:
+        first = np.array([t[1] for t in timings]) * 1000.0
+        per = np.array([t[2] for t in timings if t[2] == t[2]]) * 1000.0
+        out.update({f"first_piece_p{q}_ms": round(float(np.percentile(first, q)), 1) for q in (50, 90)})
+        out["ms_per_piece_p50"] = round(float(np.median(per)), 2) if per.size else None
+    return out
 
 
 def batch_statistics(url: str, model: str) -> dict[str, int]:

@@ -15,13 +15,14 @@ its external-data files beside it), so the ONNX Runtime backend is told the name
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from t5compress.errors import ConfigError, ModelError
-from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER, ONNX_SUFFIX
+from t5compress.names import DECODER, DECODER_MASK, DECODER_WITH_PAST, ENCODER, MANIFEST_FILE, ONNX_SUFFIX
 from t5compress.triton import config as pbtxt
 
 VERSION = "1"
@@ -34,6 +35,7 @@ RUNTIME_FILES = ("__init__.py", "errors.py", "names.py", "textio.py", "runtime")
 # Export-dir files the BLS model reads (tokenizer, special ids and generation defaults, graph tensor names).
 NOT_COPIED = {"report.json", "t5compress.json"}
 
+STREAM_INPUT = "stream"  # decoupled text model: BOOL [1], true for a response per decoder step (greedy requests)
 # Request inputs of the BLS model besides TEXT: GenerationSettings fields (see triton_models/t5_bls.py).
 GENERATION_INPUTS = {
     "max_new_tokens": "TYPE_INT32",
@@ -112,18 +114,35 @@ def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, m
 
 
 def text_model(export: Path, name: str, instances: int, threads: int, max_batch: int, queue_delay_us: int,
-               max_beams: int, max_new_tokens: int, max_input_tokens: int = -1) -> ModelPlan:
-    """The text model that runs the graphs itself (ONNX Runtime, `threads` intra-op threads per graph)."""
+               max_beams: int, max_new_tokens: int, max_input_tokens: int = -1, decoupled: bool = False) -> ModelPlan:
+    """The text model that runs the graphs itself (ONNX Runtime, `threads` intra-op threads per graph).
+
+    `decoupled`: its scheduler answers each request when done (in-flight batching on an --inflight export) and
+    streams on request (`stream` input); it may hold `max_batch * max_beams` rows in its running batch.
+    """
     graphs = {dest: src for g in (ENCODER, DECODER, DECODER_WITH_PAST) for dest, src in graph_files(export, g).items()}
-    return _text(export, name, instances, max_batch, queue_delay_us, {
-        "in_process": "1", "intra_op_thread_count": str(threads), "max_beams": str(max_beams),
-        "max_new_tokens": str(max_new_tokens), "max_input_tokens": str(max_input_tokens)}, graphs)
+    params = {"in_process": "1", "intra_op_thread_count": str(threads), "max_beams": str(max_beams),
+              "max_new_tokens": str(max_new_tokens), "max_input_tokens": str(max_input_tokens)}
+    if decoupled:
+        params.update({"decoupled": "1", "max_inflight_rows": str(max_batch * max_beams)})
+    return _text(export, name, instances, max_batch, queue_delay_us, params, graphs, decoupled)
+
+
+def has_inflight_layout(export: Path) -> bool:
+    """Whether the export's graphs.json lists the in-flight decoder_with_past_model input (export --inflight)."""
+    try:
+        graphs = json.loads((export / MANIFEST_FILE).read_text())
+        return DECODER_MASK in graphs[DECODER_WITH_PAST]["inputs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _text(export: Path, name: str, instances: int, max_batch: int, queue_delay_us: int, params: dict,
-          extra: dict[str, Path]) -> ModelPlan:
+          extra: dict[str, Path], decoupled: bool = False) -> ModelPlan:
     inputs = [pbtxt.tensor("TEXT", "TYPE_STRING", [1])]
     inputs += [pbtxt.tensor(k, t, [1], optional=True) for k, t in GENERATION_INPUTS.items()]
+    if decoupled:
+        inputs.append(pbtxt.tensor(STREAM_INPUT, "TYPE_BOOL", [1], optional=True))
     cfg = {
         "name": name, "backend": "python", "max_batch_size": max_batch, "input": inputs,
         "output": [pbtxt.tensor("OUTPUT_TEXT", "TYPE_STRING", [-1]),  # (batch, num_return_sequences)
@@ -133,6 +152,7 @@ def _text(export: Path, name: str, instances: int, max_batch: int, queue_delay_u
         "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
         "instance_group": pbtxt.instance_group("cpu", instances),  # tokenizer and search: CPU work in any case
         "parameters": pbtxt.parameters(params),
+        **({"model_transaction_policy": {"decoupled": True}} if decoupled else {}),
     }
     files = {f.name: f for f in sorted(export.iterdir())
              if f.is_file() and f.suffix in (".json", ".model", ".txt") and f.name not in NOT_COPIED}

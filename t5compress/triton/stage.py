@@ -49,6 +49,11 @@ class TritonConfig:
     max_input_tokens: int = option(-1, help="Longer request texts are truncated to this many tokens and the response "
                                              "says so (TRUNCATED); -1: the export's limit, 0: no limit.")
     queue_delay_us: int = option(2000, help="Dynamic batching: microseconds a request may wait for others.")
+    inflight: bool = option(False, help="The text model decoupled: greedy requests join the running batch at the "
+                                        "next decoder step and leave when done, and may ask for `stream` (a response "
+                                        "per step); clients use gRPC streaming. In-flight batching needs an export "
+                                        "made with --inflight (graphs.json says so); others are served "
+                                        "batch-at-a-time. In-process flavour only.")
 
     def __post_init__(self) -> None:
         require(bool(NAME_RE.match(self.name)), "name",
@@ -58,6 +63,8 @@ class TritonConfig:
             require(getattr(self, field) >= 1, field, f"must be >= 1, got {getattr(self, field)}")
         require(self.max_input_tokens >= -1, "max_input_tokens", f"must be >= -1, got {self.max_input_tokens}")
         require(self.queue_delay_us >= 0, "queue_delay_us", f"must be >= 0, got {self.queue_delay_us}")
+        require(not self.inflight or self.flavour == "in-process", "inflight",
+                "the decoupled text model runs the graphs itself: drop --leaves/--portable/--kind gpu")
 
     @property
     def flavour(self) -> str:
@@ -75,7 +82,8 @@ def plan(src: Path, cfg: TritonConfig) -> list[repository.ModelPlan]:
     """Every model of the repository, configs validated; nothing is written."""
     if cfg.flavour == "in-process":
         return [repository.text_model(src, cfg.name, cfg.bls_instances, cfg.threads, cfg.max_batch_size,
-                                      cfg.queue_delay_us, cfg.max_beams, cfg.max_new_tokens, cfg.max_input_tokens)]
+                                      cfg.queue_delay_us, cfg.max_beams, cfg.max_new_tokens, cfg.max_input_tokens,
+                                      cfg.inflight)]
     leaves = cfg.leaf_names()
     leaf_batch = cfg.max_batch_size * cfg.max_beams  # the decoders see batch x beams rows
     models = [repository.bls_model(src, cfg.name, leaves, cfg.bls_instances, cfg.max_batch_size, cfg.queue_delay_us,
@@ -112,6 +120,8 @@ def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, *, fo
         report = {
             "stage": "triton",
             "flavour": cfg.flavour,
+            "decoupled": cfg.inflight,
+            "inflight_batching": cfg.inflight and repository.has_inflight_layout(src),
             "kind": cfg.kind,
             "models": {m.name: _describe(m) for m in models},
             "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
