@@ -381,6 +381,23 @@ def test_bench_triton_cli_measures_both_protocols(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_triton_soak_is_bounded_in_time_and_reads_the_servers_memory(server, tmp_path):
+    """A soak asked for far more requests than fit in --max-seconds stops sending at the bound; the answers are all
+    non-empty, and the local server's RSS (tritonserver plus its python stubs) is read before and after."""
+    out = tmp_path / "soak.json"
+    result = runner.invoke(app, ["bench-triton", server.http_url, "--concurrency", "4", "--requests", "100000",
+                                 "--max-seconds", "4", "--max-new-tokens", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    (row,) = saved["rows"]
+    assert 4 <= row["ok"] < 100000 and row["errors"] == 0 and row["empty"] == 0 and row["sent"] == row["ok"]
+    assert row["seconds"] < 4 + 60  # requests in flight at the bound finish; nothing new is sent after it
+    rss = saved["server_rss_mb"]
+    assert 50 < rss["before"] < 8000 and 50 < rss["after"] < 8000, rss
+    assert "server memory" in result.output and "empty" in result.output
+
+
+@pytest.mark.slow
 def test_serving_the_onnxruntime_repository_without_that_backend_is_one_line(export_dir, tmp_path):
     run(export_dir, TritonConfig(leaves=True), tmp_path / "repo")
     ports = Ports.free()

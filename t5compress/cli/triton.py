@@ -97,14 +97,15 @@ def bench_triton(
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to generate per request.")] = None,
     min_new_tokens: Annotated[int | None, typer.Option(help="Force at least this many tokens.")] = None,
     num_beams: Annotated[int | None, typer.Option(help="Beam search width.")] = None,
+    max_seconds: Annotated[float | None, typer.Option(min=1, help="Soak: stop sending after this many seconds per "
+                                                    "row, however many --requests are left.")] = None,
     out: Annotated[Path | None, typer.Option(help="Also write the results as JSON here.")] = None,
     perf_analyzer: Annotated[bool, typer.Option("--perf-analyzer", help=PERF_ANALYZER_HELP)] = False,
 ) -> None:
-    """Latency p50/p90/p99 and throughput of a served text model at several concurrency levels."""
-    from rich.table import Table
-
+    """Latency p50/p90/p99, throughput, errors and empty answers of a served text model at several concurrency
+    levels; a soak with many --requests (and --max-seconds) also gives a local server's memory before and after."""
     from t5compress import artifacts
-    from t5compress.triton.client import measure
+    from t5compress.triton.client import measure, server_rss_mb
 
     if perf_analyzer:
         _perf_analyzer(url, model, concurrency, requests)
@@ -115,28 +116,43 @@ def bench_triton(
         fail("pass --grpc-url (URL has no port to derive it from)")
     texts = list(text or DEFAULT_TEXTS)
     settings = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams)
-    rows = []
+    rows, rss_before = [], server_rss_mb(url)
     for p in protocol:
         for c in concurrency:
-            rows.append(measure(url if p == "http" else grpc, model, p, c, requests, texts, **settings))
-    t = Table(title=f"{model} at {url}: {requests} requests per row", title_justify="left")
-    streamed = any("first_piece_p50_ms" in r for r in rows)
-    columns = ["protocol", "clients", "ok", "errors", "p50 ms", "p90 ms", "p99 ms", "req/s"]
-    for col in columns + (["first piece p50 ms", "ms/piece"] if streamed else []):
-        t.add_column(col, justify="right")
-    for r in rows:
-        cells = [r["protocol"], r["concurrency"], r["ok"], r["errors"], r["p50_ms"], r["p90_ms"], r["p99_ms"],
-                 r["throughput_rps"]]
-        cells += [r.get("first_piece_p50_ms", "-"), r.get("ms_per_piece_p50", "-")] if streamed else []
-        t.add_row(*map(str, cells))
-    console.print(t)
+            rows.append(measure(url if p == "http" else grpc, model, p, c, requests, texts, max_seconds=max_seconds,
+                                **settings))
+    rss = {"before": rss_before, "after": server_rss_mb(url)}
+    console.print(_rows_table(rows, f"{model} at {url}: {requests} requests per row"))
+    if rss["before"] is not None and rss["after"] is not None:
+        console.print(f"server memory (RSS of tritonserver and its stubs): {rss['before']} MB before, "
+                      f"{rss['after']} MB after ({rss['after'] - rss['before']:+.1f} MB)")
     if out:
-        artifacts.write_json(out, {"url": url, "model": model, "texts": texts, "settings": settings, "rows": rows})
+        artifacts.write_json(out, {"url": url, "model": model, "texts": texts, "settings": settings, "rows": rows,
+                                   "server_rss_mb": rss})
         console.print(f"results → [bold]{out}[/bold]")
     if any(r["errors"] for r in rows):
         first = next(r["first_error"] for r in rows if r["errors"])
         err_console.print(f"[red]error:[/red] some requests failed, e.g. {first}", highlight=False)
         raise typer.Exit(code=1)
+    if any(r["empty"] for r in rows):
+        err_console.print(f"[red]error:[/red] {sum(r['empty'] for r in rows)} answer(s) held no text", highlight=False)
+        raise typer.Exit(code=1)
+
+
+def _rows_table(rows: list[dict], title: str):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    streamed = any("first_piece_p50_ms" in r for r in rows)
+    columns = ["protocol", "clients", "ok", "errors", "empty", "p50 ms", "p90 ms", "p99 ms", "req/s"]
+    for col in columns + (["first piece p50 ms", "ms/piece"] if streamed else []):
+        t.add_column(col, justify="right")
+    for r in rows:
+        cells = [r["protocol"], r["concurrency"], r["ok"], r["errors"], r["empty"], r["p50_ms"], r["p90_ms"],
+                 r["p99_ms"], r["throughput_rps"]]
+        cells += [r.get("first_piece_p50_ms", "-"), r.get("ms_per_piece_p50", "-")] if streamed else []
+        t.add_row(*map(str, cells))
+    return t
 
 
 def _perf_analyzer(url: str, model: str, concurrency: list[int], requests: int) -> None:

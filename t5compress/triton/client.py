@@ -13,11 +13,13 @@ Each client thread owns its connection (tritonclient's clients are not shared be
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -157,8 +159,9 @@ def generate(url: str, model: str, texts: Sequence[str], protocol: str = "http",
 
 
 def measure(url: str, model: str, protocol: str, concurrency: int, requests: int, texts: Sequence[str],
-            warmup: int = 2, **settings: Any) -> dict[str, Any]:
-    """`requests` single-text requests from `concurrency` threads (texts taken in turn); latency and throughput."""
+            warmup: int = 2, max_seconds: float | None = None, **settings: Any) -> dict[str, Any]:
+    """`requests` single-text requests from `concurrency` threads (texts taken in turn); latency, throughput, errors
+    and empty answers. With `max_seconds`, no request is sent after that many seconds (a soak bounded in time)."""
     if concurrency < 1 or requests < 1 or not texts:
         raise ConfigError("measure needs concurrency >= 1, requests >= 1 and at least one text")
     warm = connect(url, protocol)
@@ -167,30 +170,33 @@ def measure(url: str, model: str, protocol: str, concurrency: int, requests: int
     warm.close()
     latencies: list[float] = []
     errors: list[str] = []
+    empty = [0]
     counter = iter(range(requests))
     lock = threading.Lock()
+    started = time.perf_counter()
+    deadline = started + max_seconds if max_seconds else float("inf")
 
     def worker() -> None:
         client = connect(url, protocol)
         try:
             while True:
                 with lock:
-                    k = next(counter, None)
+                    k = next(counter, None) if time.perf_counter() < deadline else None
                 if k is None:
                     return
                 try:
-                    timing = _timed(client, protocol, model, texts[k % len(texts)], settings)
+                    timing, blank = _timed(client, protocol, model, texts[k % len(texts)], settings)
                 except ClientError as e:
                     with lock:
                         errors.append(str(e))
                     continue
                 with lock:
                     latencies.append(timing)
+                    empty[0] += blank
         finally:
             client.close()
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
@@ -198,20 +204,22 @@ def measure(url: str, model: str, protocol: str, concurrency: int, requests: int
     wall = time.perf_counter() - started
     pct = _percentiles(latencies)
     return {"protocol": protocol, "concurrency": concurrency, "requests": requests, "ok": len(latencies),
-            "errors": len(errors), "first_error": errors[0] if errors else None, **pct,
+            "errors": len(errors), "first_error": errors[0] if errors else None, "empty": empty[0],
+            "sent": len(latencies) + len(errors), **pct,
             "throughput_rps": round(len(latencies) / wall, 2), "seconds": round(wall, 2)}
 
 
-def _timed(client, protocol: str, model: str, text: str, settings: dict) -> tuple[float, ...]:
-    """(seconds,) of one request; streamed: (seconds, first piece's seconds, seconds per later piece)."""
+def _timed(client, protocol: str, model: str, text: str, settings: dict) -> tuple[tuple[float, ...], bool]:
+    """((seconds,), empty) of one request; streamed: ((seconds, first piece's seconds, seconds per later piece),
+    empty); empty: the answer holds no text."""
     if protocol != STREAMING:
         t0 = time.perf_counter()
-        infer(client, protocol, model, [text], **settings)
-        return (time.perf_counter() - t0,)
+        out = infer(client, protocol, model, [text], **settings)
+        return (time.perf_counter() - t0,), not any(o.strip() for row in out for o in row)
     got = stream_infer(client, model, [text], **settings)
     times = got.piece_seconds or [got.seconds]
     per_piece = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-    return got.seconds, times[0], per_piece
+    return (got.seconds, times[0], per_piece), not any(o.strip() for row in got.texts for o in row)
 
 
 def _percentiles(timings: list[tuple[float, ...]]) -> dict[str, float | None]:
@@ -235,3 +243,39 @@ def batch_statistics(url: str, model: str) -> dict[str, int]:
         client.close()
     entry = stats["model_stats"][0]
     return {"inference_count": int(entry["inference_count"]), "execution_count": int(entry["execution_count"])}
+
+
+def server_rss_mb(url: str) -> float | None:
+    """Resident memory in MB of the local process listening on `url`'s port plus all its descendants (tritonserver
+    and its python backend stubs), read from /proc; None when no local process listens there (a remote server)."""
+    try:
+        port = int(url.removeprefix("http://").rsplit(":", 1)[1])
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f[9])
+    except (OSError, ValueError, IndexError):
+        return None
+    procs = {}  # pid -> (parent pid, rss pages)
+    owner = None
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            procs[int(d.name)] = (int(stat[1]), int(stat[21]))
+            if owner is None and any(os.readlink(fd).removeprefix("socket:[").rstrip("]") in inodes
+                                     for fd in (d / "fd").iterdir()):
+                owner = int(d.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    if owner is None:
+        return None
+    tree, grew = {owner}, True
+    while grew:
+        more = {p for p, (parent, _) in procs.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return round(sum(procs[p][1] for p in tree if p in procs) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
