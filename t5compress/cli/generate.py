@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Threads, command, err_console, fail, stdin_is_piped
+from t5compress.cli.common import Device, Threads, command, err_console, fail, stdin_is_piped
 from t5compress.errors import DataError
 from t5compress.textio import STDIN, argument, check_text, read_lines
 
@@ -62,6 +62,7 @@ def generate(
     max_input_tokens: MaxInput = None,
     decoders: Decoders = "auto",
     threads: Threads = 1,
+    device: Device = "cpu",
 ) -> None:
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
     from t5compress.runtime import load_runtime
@@ -71,7 +72,7 @@ def generate(
     prefix = argument(prefix, "--prefix")
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
-    rt = load_runtime(path, threads=threads, decoders=decoders)
+    rt = load_runtime(path, threads=threads, decoders=decoders, device=device)
     if rt.format == "torchscript":
         err_console.print(f"[yellow]warning:[/yellow] {TORCHSCRIPT_WARNING}", highlight=False, soft_wrap=True)
     if max_input_tokens is not None:

@@ -107,6 +107,7 @@ class Seq2SeqRuntime:
         self.tokens = tokens
         self.defaults = defaults  # GenerationSettings fields found in generation_config.json
         self.max_input_tokens = input_limit(self.path) if max_input_tokens is _FROM_DIR else (max_input_tokens or None)
+        self.device = "cpu"  # where the graphs run ('cpu' or 'cuda:N'); load_runtime sets it from the sessions
         self._tokenizer = None
 
     @property
@@ -224,7 +225,7 @@ def load_tokenizer(path: Path, pad_id: int):
 
 def load_runtime(
     path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto",
-    max_input_tokens: int | None | object = _FROM_DIR,
+    max_input_tokens: int | None | object = _FROM_DIR, device: str = "cpu",
 ) -> Seq2SeqRuntime:
     """Open an ONNX or TorchScript export directory for generation.
 
@@ -236,8 +237,38 @@ def load_runtime(
         decoders: 'separate', 'merged' or 'auto' (the separate decoders when the dir has them, else the merged one).
         max_input_tokens: longest input in tokens, longer ones are truncated (None or 0: no limit); default: the
             dir's tokenizer_config.json `model_max_length`.
+        device: 'cpu', 'cuda', 'cuda:N' or 'auto' (see `runtime.device`); ignored when `providers` is given.
     """
     p = Path(path)
-    backend = open_backend(p, threads, providers, decoders)
+    backend, placed = open_on_device(p, threads, providers, decoders, device)
     tokens, defaults = read_generation_defaults(p)
-    return Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
+    rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
+    rt.device = placed
+    return rt
+
+
+def open_on_device(
+    path: Path, threads: int, providers: Sequence[str] | None, decoders: str, device: str
+) -> tuple[Backend, str]:
+    """The backend on `device` and the device it really runs on ('cpu' or 'cuda:N'): CUDA asked for and not started
+    is a one-line ModelError, never a silent CPU run (`auto` alone may fall back)."""
+    from t5compress.runtime.device import check_session, describe, parse_device, providers_for
+    from t5compress.runtime.sessions import detect_format
+
+    wanted = parse_device(device)
+    if providers is None:
+        if wanted.kind != "cpu" and detect_format(path) == "torchscript":
+            if wanted.kind == "cuda":
+                raise ModelError(f"--device {wanted.name}: '{path}' is a TorchScript export, which this runtime runs "
+                                 "on the CPU only; export ONNX for CUDA")
+            return open_backend(path, threads, None, decoders), "cpu"
+        providers = providers_for(wanted)
+    else:
+        wanted = parse_device(describe(providers))
+    backend = open_backend(path, threads, providers, decoders)
+    if backend.format != "onnx":
+        return backend, "cpu"
+    placed = check_session(backend.encoder.session, wanted, path)
+    if wanted.kind == "auto":
+        log.info("device auto: %s runs on %s", path, placed)
+    return backend, placed
