@@ -2,9 +2,9 @@
 
 `cuda` never falls back to the CPU in silence: ONNX Runtime itself does (a CUDA provider that cannot start leaves
 a CPU session and a log line), so the session's providers are checked after it opens and a one-line ModelError
-says which is missing: the CUDA provider (a CPU build of onnxruntime: install `t5compress[gpu]`, i.e.
-onnxruntime-gpu, which needs CUDA 12 and cuDNN 9) or a usable GPU. `auto` takes CUDA when it starts, else the CPU,
-and logs which. Imports onnxruntime only (the runtime stays torch-free).
+says which is missing: the CUDA provider (a CPU build of onnxruntime: `make gpu-env` puts onnxruntime-gpu in its
+place, CUDA 13 and cuDNN 9 from its pip extras), or a GPU it can use (or the CUDA libraries). `auto` takes CUDA
+when it starts, else the CPU, and logs which. Imports onnxruntime only (the runtime stays torch-free).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 DEVICES = ("cpu", "cuda", "cuda:N", "auto")
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
-GPU_EXTRA = "pip install 't5compress[gpu]' (onnxruntime-gpu: CUDA 12.x and cuDNN 9)"
+GPU_EXTRA = "install the gpu extra: make gpu-env (onnxruntime-gpu in place of onnxruntime; CUDA 13, cuDNN 9)"
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda)(?::(\d+))?$")
 
 
@@ -64,13 +64,45 @@ def providers_for(device: str | Device) -> list[Any]:
         import onnxruntime as ort
 
         raise ModelError(f"--device {d.name}: onnxruntime {ort.__version__} here has no CUDA provider (a CPU build: "
-                         f"{', '.join(available_providers())}); {GPU_EXTRA}")
+                         f"{', '.join(available_providers())}); {_install_hint()}")
+    _preload_cuda_libraries()
     return [(CUDA, {"device_id": d.index}), CPU]
+
+
+def _install_hint() -> str:
+    """What to do without a CUDA provider; both ONNX Runtime builds installed is its own case (they share the
+    `onnxruntime` module, so whichever was installed last answers)."""
+    from importlib import metadata
+
+    installed = []
+    for dist in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            installed.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    if len(installed) == 2:
+        return (f"{' and '.join(installed)} are both installed and share one module: pip uninstall -y onnxruntime, "
+                "then pip install --force-reinstall --no-deps onnxruntime-gpu (what `make gpu-env` does)")
+    return GPU_EXTRA
+
+
+def _preload_cuda_libraries() -> None:
+    """Load CUDA and cuDNN from the nvidia-* pip packages the gpu extra brings (ONNX Runtime >= 1.21 can; torch
+    would do it on import, and the runtime imports no torch). Libraries on the system path work without it."""
+    import onnxruntime as ort
+
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    try:
+        preload()
+    except Exception as e:  # a missing library shows as the provider failing to start, which check_session names
+        log.info("onnxruntime.preload_dlls: %s", e)
 
 
 def check_session(session, device: str | Device, path: Any = "") -> str:
     """The device `session` really runs on ('cuda:N' or 'cpu'); a ModelError when CUDA was asked for and ONNX
-    Runtime fell back to the CPU (no GPU visible, or the CUDA 12 / cuDNN 9 libraries missing)."""
+    Runtime fell back to the CPU (no GPU visible, or the CUDA 13 / cuDNN 9 libraries missing)."""
     d = device if isinstance(device, Device) else parse_device(device)
     on_cuda = CUDA in session.get_providers()
     if d.kind == "cuda" and not on_cuda:
@@ -89,7 +121,7 @@ def gpu_visibility() -> str:
     if not gpus:
         return "no NVIDIA GPU visible: no driver or device on this machine"
     hidden = f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
-    return f"{len(gpus)} GPU(s) listed by the driver{hidden}; check the GPU index and CUDA 12 / cuDNN 9 libraries"
+    return f"{len(gpus)} GPU(s) listed by the driver{hidden}; check the GPU index and the CUDA 13 / cuDNN 9 libraries"
 
 
 def describe(providers: Sequence[Any]) -> str:
