@@ -98,6 +98,20 @@ def test_runtime_generates_from_the_fp16_export_like_fp32(gated_fp32_fp16, tiny_
     assert len(texts) == 2
 
 
+def test_half_model_keeps_wo_values_exactly(tiny_gated_dir):
+    """wo keeps the source's fp32 values (not an fp16 round trip): beyond 65504, and finer than fp16 resolves."""
+    model = load_model(tiny_gated_dir, dtype=torch.float32)
+    wo = model.encoder.block[0].layer[-1].DenseReluDense.wo
+    with torch.no_grad():
+        wo.weight[0, 0], wo.weight[0, 1] = 1e6, 1.0 + 2**-20
+    half = half_model(model, "fp16")
+    for (name, a), b in zip(model.named_parameters(), half.parameters(), strict=True):
+        if name.endswith(".wo.weight"):
+            assert b.dtype == torch.float32 and torch.equal(a, b), name
+        else:
+            assert b.dtype == torch.float16, name
+
+
 def test_keep_fp32_covers_what_transformers_keeps():
     from transformers import T5ForConditionalGeneration
 

@@ -48,10 +48,13 @@ def half_model(model, dtype: str):
     import torch
 
     half = copy.deepcopy(model).to(getattr(torch, DTYPES[dtype]))
+    source = dict(model.named_modules())
     kept = 0
     for name, module in half.named_modules():
         if name.rsplit(".", 1)[-1] in KEEP_FP32:
-            module.float()
+            # The source's own fp32 values, not the half copy's cast back: a wo weight past 65504 (or finer than
+            # fp16 resolves) would come back inf (or rounded).
+            module.float().load_state_dict(source[name].state_dict())
             kept += 1
     log.info("%s copy of the model: %d module(s) kept in fp32 (%s)", dtype, kept, ", ".join(KEEP_FP32))
     return half.eval()
