@@ -6,7 +6,7 @@ export's own fp16 check runs on the CPU), then on `--device`: the fp16 graphs ag
 (max |diff| per graph, NaN/inf, greedy agreement), a Flan-shaped model whose fp16 `wo` overflows (finite outputs
 required), and greedy and beam 4 at each batch size, 32 tokens in and exactly 32 out, for our runtime fp32 and fp16,
 PyTorch `generate` (fp16 with wo in fp32 on CUDA, as transformers loads it; fp32 on the CPU) and CTranslate2 (fp16
-on CUDA, int8 on the CPU) when it imports. Tokens are compared with PyTorch fp32 greedy/beam on the same inputs.
+on CUDA, fp32 on the CPU) when it imports. Tokens are compared with PyTorch fp32 greedy/beam on the same inputs.
 Writes gpu_check.json and gpu_check.md under --out; exit 1 when a parity or NaN check fails.
 """
 
@@ -161,7 +161,8 @@ def pytorch_engines(model_dir: Path, device: str) -> dict:
 
 
 def ctranslate2_engine(model_dir: Path, device: str):
-    """CTranslate2 fp16 on CUDA, int8 on the CPU, converted from the model dir (ImportError when not installed)."""
+    """CTranslate2 fp16 on CUDA, fp32 on the CPU (tokens comparable with PyTorch fp32), converted from the model dir
+    (ImportError when it is not installed)."""
     import ctranslate2
 
     out = model_dir.parent / "ct2"
@@ -169,7 +170,7 @@ def ctranslate2_engine(model_dir: Path, device: str):
         ctranslate2.converters.TransformersConverter(str(model_dir)).convert(str(out), force=True)
     on, index = ("cuda", int(device.split(":")[1]) if ":" in device else 0) if device != "cpu" else ("cpu", 0)
     tr = ctranslate2.Translator(str(out), device=on, device_index=index,
-                                compute_type="float16" if on == "cuda" else "int8")
+                                compute_type="float16" if on == "cuda" else "float32")
     vocab = json.loads((out / "shared_vocabulary.json").read_text())
     lookup = {t: i for i, t in enumerate(vocab)}
 

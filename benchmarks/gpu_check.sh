@@ -6,8 +6,8 @@
 # benchmarks/gpu_check.py on cuda: random-weight t5-small and flan-t5-small shapes exported fp32 and fp16, fp16 parity
 # and no NaN on CUDA, an fp16-overflow model, our runtime greedy and beam at b1/b8/b32 against PyTorch fp16 generate
 # (and CTranslate2 if it imports) on the same GPU.
-# Without a GPU: one line saying none was found, then the same checks on the CPU with the project's .venv (the test
-# suite runs this path with a tiny model: tests/test_gpu_check.py).
+# Without a GPU (or with GPU_CHECK_DEVICE=cpu): one line saying none was found, then the same checks on the CPU with
+# the project's .venv (the test suite runs this path with a tiny model: tests/test_gpu_check.py).
 # Writes gpu_check.json and gpu_check.md (and a work/ folder) under OUT_DIR, default $OUT, else runs/gpu-check.
 # Exit status: 0 all checks passed, 1 a parity / NaN check failed, 2 setup failed (install, no python).
 set -euo pipefail
@@ -18,7 +18,8 @@ if [[ $# -gt 0 && "$1" != "--" ]]; then OUT_DIR="$1"; shift; fi
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+if [[ "${GPU_CHECK_DEVICE:-auto}" != cpu ]] && command -v nvidia-smi >/dev/null 2>&1 \
+   && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   DEVICE=cuda
   GPU="$(nvidia-smi -L | head -1)"
   echo "gpu_check: $GPU; driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
@@ -34,6 +35,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q 
 else
   DEVICE=cpu
   NOTE="no NVIDIA GPU found (nvidia-smi missing or lists none): the same checks on the CPU"
+  [[ "${GPU_CHECK_DEVICE:-auto}" == cpu ]] && NOTE="GPU_CHECK_DEVICE=cpu: the same checks on the CPU"
   echo "gpu_check: $NOTE"
   if [[ -z "${GPU_CHECK_PYTHON:-}" ]]; then
     for candidate in "$ROOT/.venv/bin/python" "$(command -v python3 || true)"; do
