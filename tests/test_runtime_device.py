@@ -91,3 +91,20 @@ def test_gpu_extra_and_makefile_name_the_same_range():
     assert extra == [makefile] and makefile.startswith("onnxruntime-gpu")
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "onnxruntime>=1.32,<1.33" in deps  # the CPU install stays as it is
+
+
+@pytest.mark.parametrize("device, needle", [("cuda", "no CUDA provider"), ("gpu0", "device: choose cpu, cuda")])
+def test_bench_device_refusals_are_one_line_before_anything_is_measured(device, needle, onnx_dir, tmp_path):
+    out = tmp_path / "bench"
+    result = runner.invoke(app, ["bench", str(onnx_dir), "--out", str(out), "--device", device])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.output
+    assert not out.exists()
+
+
+def test_bench_labels_an_fp16_export_as_fp16(tiny_gated_dir, tmp_path):
+    from t5compress.bench.variants import resolve_all
+
+    run(tiny_gated_dir, ExportConfig(dtype="fp16"), tmp_path / "fp16")
+    (variant,) = resolve_all([str(tmp_path / "fp16")])
+    assert variant.precision == "fp16" and variant.label == "ONNX fp16"
