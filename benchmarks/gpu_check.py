@@ -4,7 +4,8 @@ Run by `benchmarks/gpu_check.sh`, which installs the gpu extra first. Per shape 
 t5-small, flan-t5-small; `tiny` is a 2+2-layer Flan-shaped model for the test suite): exports fp32 and fp16 (the
 export's own fp16 check runs on the CPU), then on `--device`: the fp16 graphs against the fp32 PyTorch model
 (max |diff| per graph, NaN/inf, greedy agreement), a Flan-shaped model whose fp16 `wo` overflows (finite outputs
-required), and greedy and beam 4 at each batch size, 32 tokens in and exactly 32 out, for our runtime fp32 and fp16,
+required), and greedy and beam 4 at each batch size, 32 tokens in and exactly 32 out, for our runtime fp32, fp16 and
+fp16 with IO binding (the KV cache kept on the device),
 PyTorch `generate` (fp16 with wo in fp32 on CUDA, as transformers loads it; fp32 on the CPU) and CTranslate2 (fp16
 on CUDA, fp32 on the CPU) when it imports. Tokens are compared with PyTorch fp32 greedy/beam on the same inputs.
 Writes gpu_check.json and gpu_check.md under --out; exit 1 when a parity or NaN check fails.
@@ -120,12 +121,13 @@ def engines(model_dir: Path, exports: dict, device: str) -> dict:
     """name -> generate(ids, mask, tokens, beams) -> (batch, tokens) new ids, for every engine that loads here."""
     from t5compress.runtime import load_runtime
 
-    def ours(path):
-        rt = load_runtime(path, threads=0, device=device, max_input_tokens=None)
+    def ours(path, io_binding=False):
+        rt = load_runtime(path, threads=0, device=device, max_input_tokens=None, io_binding=io_binding)
         return lambda ids, mask, n, beams: rt.generate(ids, mask, max_new_tokens=n, min_new_tokens=n,
                                                        num_beams=beams)[:, 1:]
 
-    found = {"ours fp32": ours(exports["fp32"]["dir"]), "ours fp16": ours(exports["fp16"]["dir"])}
+    found = {"ours fp32": ours(exports["fp32"]["dir"]), "ours fp16": ours(exports["fp16"]["dir"]),
+             "ours fp16 io-binding": ours(exports["fp16"]["dir"], io_binding=True)}
     found.update(pytorch_engines(model_dir, device))
     try:
         found["CTranslate2"] = ctranslate2_engine(model_dir, device)

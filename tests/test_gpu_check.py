@@ -42,7 +42,8 @@ def test_gpu_check_cpu_fallback_runs_the_checks_and_writes_json_and_markdown(tmp
     for batch in (1, 4):
         for beams in (1, 4):
             assert rows[("ours fp32", batch, beams)]["agreement_with_pytorch_fp32"] == 1.0
-            assert rows[("ours fp16", batch, beams)]["agreement_with_pytorch_fp32"] >= 0.9
+            fp16 = rows[("ours fp16", batch, beams)]["agreement_with_pytorch_fp32"]
+            assert fp16 >= 0.9 and rows[("ours fp16 io-binding", batch, beams)]["agreement_with_pytorch_fp32"] == fp16
             assert rows[("PyTorch fp32", batch, beams)]["p50_ms"] > 0
     if any(e == "CTranslate2" for e, _, _ in rows):
         assert rows[("CTranslate2", 1, 1)]["agreement_with_pytorch_fp32"] >= 0.9
