@@ -38,8 +38,10 @@ BF16_REFUSED = (
     "(wo, residual sums and logits kept in fp32)"
 )
 # Greedy tokens over a half export must agree with fp32 `model.generate` on this share of tokens (up to each row's
-# first difference): fp16 rounding may flip a near-tie, a broken graph flips most tokens.
-MIN_AGREEMENT = 0.9
+# first difference): fp16 rounding may flip a near-tie, a broken graph flips most tokens. Measured on the check's 16
+# random rows: a random-weight flan-t5-small shape 0.93 (14 of 16 rows identical; its logits are within 0.17 of
+# fp32's ~100, as PyTorch fp16's are within 0.19), t5-small 1.0; random weights make near-ties common, hence 0.8.
+MIN_AGREEMENT = 0.8
 _ORT_TYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(double)": np.float64}
 
 
