@@ -95,8 +95,8 @@ class BoundDecoder:
         for name, value in bound.items():
             io.bind_ortvalue_input(name, value)
         names = [o.name for o in session.get_outputs()]
-        for name in names:
-            io.bind_output(name, *self.device)
+        for name in names:  # the logits to the host (ONNX Runtime copies them at the end of the run), the rest stays
+            io.bind_output(name, *(("cpu", 0) if name == "logits" else self.device))
         session.run_with_iobinding(io)
         out = dict(zip(names, io.get_outputs(), strict=True))
         logits = out.pop("logits").numpy()[:, -1, :].astype(np.float32, copy=False)
