@@ -9,7 +9,7 @@ TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 TRITON_REQS := triton_models/requirements.txt
 
-.PHONY: demo test test-fast lint docs clean triton-env bench bench-env
+.PHONY: demo test test-fast lint docs clean triton-env bench bench-env gpu-env gpu-check
 
 # onnx-neural-compressor 1.0 (quantize --tolerance) declares numpy<2, but the path we use (StaticQuantConfig,
 # its calibration and quantizer, tuning.autotune) runs under numpy 2: tests/test_tune.py runs exactly that path.
@@ -66,5 +66,29 @@ bench-env: $(BENCH_STAMP)  ## the benchmark venv with every peer engine installe
 bench: $(BENCH_STAMP)  ## the goals benchmark: t5compress bench on t5-small and el2 shapes, every peer (minutes); ARGS='--quick' for a short run
 	$(BENCH_VENV)/bin/python benchmarks/generate_speed.py $(ARGS)
 
+# GPU: the `gpu` extra's onnxruntime-gpu (CUDA 13, cuDNN 9 from its own pip extras; needs an NVIDIA driver for CUDA
+# 13) in its own venv. onnxruntime (CPU, a main dependency) and onnxruntime-gpu install the same `onnxruntime` module,
+# so the CPU one is uninstalled and onnxruntime-gpu reinstalled over the files that removed (the known recipe); `pip
+# check` then reports t5compress's onnxruntime requirement as missing, and nothing else. ORT_GPU is the extra's range
+# (tests/test_runtime_device.py checks they agree). torch from PyPI on Linux is its CUDA build here (for the PyTorch
+# fp16 rows of benchmarks/gpu_check.sh).
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+ORT_GPU := onnxruntime-gpu[cuda,cudnn]>=1.31,<1.33
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip
+	$(GPU_VENV)/bin/pip install -q -e '.[gpu,dev]'
+	$(GPU_VENV)/bin/pip uninstall -q -y onnxruntime
+	$(GPU_VENV)/bin/pip install -q --force-reinstall --no-deps '$(ORT_GPU)'
+	$(GPU_VENV)/bin/python -c "import onnxruntime as o; p = o.get_available_providers(); assert 'CUDAExecutionProvider' in p, p"
+	touch $(GPU_STAMP)
+
+gpu-env: $(GPU_STAMP)  ## .venv-gpu: t5compress with onnxruntime-gpu in place of onnxruntime (CUDA 13 + cuDNN 9 wheels)
+
+gpu-check:  ## benchmarks/gpu_check.sh: fp16 parity, no NaN and speed on the GPU (CPU fallback without one); results in runs/gpu-check
+	benchmarks/gpu_check.sh runs/gpu-check
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) $(BENCH_VENV) runs
+	rm -rf $(VENV) $(TRITON_VENV) $(BENCH_VENV) $(GPU_VENV) runs

@@ -108,12 +108,25 @@ def _metric_rows(report: dict) -> list[tuple[str, str]]:
         if k in ev:
             rows.append((f"eval {k}", str(ev[k])))
     parity = report.get("parity") or {}
+    if report.get("stage") == "export" and report.get("format") == "onnx":
+        rows.append(("dtype", _dtype_row(report)))
     if "max_abs_diff" in parity:
         diffs = ", ".join(f"{g.removesuffix('_model')} {d:.1e}" for g, d in parity["max_abs_diff"].items())
         rows.append(("max |export - PyTorch|", f"{diffs} (atol {parity.get('atol')})"))
-    if "generation" in parity:
+    if "token_agreement" in parity and report.get("stage") == "export":  # half precision: agreement with fp32
+        rows.append(("greedy agreement with fp32", f"{parity['token_agreement']['agreement']:.1%}"))
+    elif "generation" in parity:
         rows.append(("greedy == generate", "yes" if parity["generation"].get("identical") else "NO"))
     return rows + _int8_rows(report) + (_qat_rows(report) if report.get("stage") == "qat" else [])
+
+
+def _dtype_row(report: dict) -> str:
+    """An export's precision: fp32, or e.g. 'fp16 (wo, residual sums, logits fp32; cache float16)'."""
+    dtype = report.get("dtype", "fp32")  # exports made before --dtype are fp32
+    if dtype == "fp32":
+        return dtype
+    cache = ((report.get("parity") or {}).get("dtypes") or {}).get("decoder_with_past_model", {}).get("cache", "?")
+    return f"{dtype} (wo, residual sums, logits fp32; cache {cache})"
 
 
 _QAT_ROWS = (("fp32_start", "fp32 at the start"), ("int8_calibrated", "int8, calibrated"),

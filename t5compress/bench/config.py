@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from t5compress.bench.expect import parse as parse_expectations
 from t5compress.config import option as opt
 from t5compress.config import require
 
+DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 PEERS = ("pytorch", "optimum-fp32", "optimum-int8", "ctranslate2-int8", "openvino-fp32", "openvino-int8")
 
 
@@ -37,6 +39,8 @@ class BenchConfig:
                             "the CPU features found.")
     timeout_s: int = opt(1800, "Give up on a variant whose measuring process runs longer than this (seconds).")
     plots: bool = opt(True, "Write PNG plots (latency vs accuracy with the Pareto front, sizes, latency vs batch).")
+    device: str = opt("cpu", "Where our ONNX export variants run: cpu, cuda, cuda:N or auto (ONNX Runtime's CUDA "
+                             "provider; one line when it or a GPU is missing). PyTorch and the peers run on the CPU.")
     seed: int = opt(0, "Seed of the generated sentences used without --data.")
     expect: tuple[str, ...] = opt((), "Expectations to check, KEY=RATIO: int8, pruned+int8, fp32 (our fastest such "
                                       "variant at least RATIO x the fastest peer of its precision, per grid cell) or "
@@ -54,6 +58,7 @@ class BenchConfig:
         require(self.warmup >= 0, "warmup", f"must be >= 0, got {self.warmup}")
         require(self.timeout_s >= 1, "timeout_s", f"must be >= 1, got {self.timeout_s}")
         parse_expectations(self.expect)  # a bad item is one line naming it, before anything is measured
+        require(bool(DEVICE_RE.match(self.device)), "device", f"choose cpu, cuda, cuda:N or auto, not {self.device!r}")
         bad = [p for p in self.peers if p not in (*PEERS, "all")]
         require(not bad, "peers", f"unknown peer {', '.join(bad)}; choose from {', '.join(PEERS)} or all")
 

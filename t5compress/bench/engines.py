@@ -66,7 +66,7 @@ def load_pytorch(path: Path, threads: int, settings: dict) -> Generate:
 def load_ours(path: Path, threads: int, settings: dict) -> Generate:
     from t5compress.runtime import load_runtime
 
-    rt = load_runtime(path, threads=threads, max_input_tokens=None)
+    rt = load_runtime(path, threads=threads, max_input_tokens=None, device=settings.get("device", "cpu"))
     eos = _eos(settings)
 
     def generate(ids, mask, max_new, min_new, beams):

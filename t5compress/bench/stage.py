@@ -66,6 +66,12 @@ def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = Fals
     for v in entries:
         if v.kind == "ctranslate2":
             v.settings.setdefault("compute_type", "int8" if v.precision == "int8" else "default")
+        if v.kind == "onnx" and cfg.device != "cpu":
+            v.settings["device"] = cfg.device
+    if cfg.device != "cpu" and any(v.kind == "onnx" for v in entries):
+        from t5compress.runtime.device import providers_for
+
+        providers_for(cfg.device)  # no CUDA provider: one line now, not a failed variant after minutes
     with artifacts.staged_output(out, force, inputs=[_paths(variants), cfg]) as tmp:
         local = [v.path for v in entries if v.kind != "triton"]
         if not local:

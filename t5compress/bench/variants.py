@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from t5compress import kinds
-from t5compress.artifacts import META_FILE, read_json
+from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
 from t5compress.errors import ModelError
 from t5compress.names import DECODER_MERGED, GRAPHS, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 from t5compress.runtime.sessions import load_onnx
@@ -117,7 +117,8 @@ def _export(path: Path) -> dict | None:
     int8 = any(is_quantized(path / g) for g in graphs)  # load_onnx names a damaged graph file
     files = onnx_files(path, graphs)
     label = "ONNX" + (" merged" if layout == "merged" else "")
-    return {"kind": "onnx", "precision": "int8" if int8 else "fp32", "files": files, "label": label}
+    dtype = (read_json(path / REPORT_FILE) or {}).get("dtype", "fp32") if not int8 else "int8"  # fp16 exports
+    return {"kind": "onnx", "precision": dtype, "files": files, "label": label}
 
 
 def _ctranslate2(path: Path) -> dict | None:
@@ -173,7 +174,7 @@ def resolve(spec: str) -> Variant:
     if found["precision"] == "int8" and found["kind"] in ("onnx", "torchscript"):
         label += " int8 " + _int8_method(path, stages)
     elif found["kind"] in ("onnx", "torchscript", "pytorch"):
-        label += " fp32" + (" (QAT, fake-quant)" if "qat" in stages[:1] else "")
+        label += f" {found['precision']}" + (" (QAT, fake-quant)" if "qat" in stages[:1] else "")
     if pruned:
         label += " (pruned)"
     owner = "baseline" if found["kind"] == "pytorch" else ("ours" if found["kind"] in ("onnx", "torchscript")

@@ -37,6 +37,10 @@ OutDir = Annotated[Path, typer.Argument(help="Output directory (must not exist u
 ModelDir = Annotated[str, typer.Argument(help="Model directory (Hugging Face format) or hub id.")]
 Threads = Annotated[int, typer.Option("--threads", min=0, help="CPU threads for inference (0: runtime default).")]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed.")]
+Device = Annotated[str, typer.Option(
+    "--device", help="Where ONNX graphs run: cpu, cuda or cuda:N (ONNX Runtime's CUDA provider, from the gpu extra; "
+    "one line and exit 2 when it or a GPU is missing, never a silent CPU run) or auto (CUDA when it starts, else "
+    "CPU).")]
 
 
 @app.callback()

@@ -44,10 +44,20 @@ def export(
         return
     diffs = ", ".join(f"{name} {d:.2e}" for name, d in parity["max_abs_diff"].items())
     gen = parity["generation"]
-    console.print(f"exported {cfg.format} graphs to [bold]{out}[/bold]: {', '.join(report['graphs'])}")
-    console.print(f"max |export - PyTorch| (logits, cache): {diffs}", highlight=False)
+    dtype = report.get("dtype", "fp32")
+    kept = "" if dtype == "fp32" else f" {dtype} (wo, residual sums, logits fp32)"
+    what = f"{cfg.format}{kept} graphs"
+    console.print(f"exported {what} to [bold]{out}[/bold]: {', '.join(report['graphs'])}")
+    reference = "PyTorch" if dtype == "fp32" else "fp32 PyTorch"
+    console.print(f"max |export - {reference}| (logits, cache): {diffs}", highlight=False)
     console.print(f"tolerance per tensor: atol {parity['atol']:g} + rtol {parity['rtol']:g} x max|PyTorch tensor|; "
                   f"worst use of it: {max(w['ratio'] for w in parity['worst'].values()):.0%}", highlight=False)
+    if "token_agreement" in parity:  # half precision: agreement with fp32 greedy, not identity
+        agree = parity["token_agreement"]
+        console.print(f"greedy tokens agree with fp32 model.generate on {agree['agreement']:.1%} "
+                      f"({agree['identical_rows']}/{agree['rows']} rows identical); no NaN or inf in any output",
+                      highlight=False)
+        return
     console.print(f"greedy tokens identical to model.generate ({gen['max_new_tokens']} new, batch {gen['batch']})")
 
 

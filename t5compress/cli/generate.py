@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Threads, command, err_console, fail, stdin_is_piped
+from t5compress.cli.common import Device, Threads, command, err_console, fail, stdin_is_piped
 from t5compress.errors import DataError
 from t5compress.textio import STDIN, argument, check_text, read_lines
 
@@ -39,6 +39,8 @@ MaxInput = Annotated[int | None, Opt(
     min=0, help="Longest input in tokens; longer ones are truncated (kept: the first N-1 tokens and </s>) and reported"
     " on stderr. Default: the export dir's tokenizer model_max_length (the length the model was trained with when"
     " the export recorded it). 0: no limit.")]
+IoBinding = Annotated[bool, Opt("--io-binding", help="Keep the KV cache on the device between steps (ONNX Runtime IO"
+                                 " binding; separate ONNX decoders): what to use with --device cuda. Same tokens.")]
 Decoders = Annotated[str, Opt(help="ONNX decoder graphs to run: auto (separate when present, else merged), separate"
                               " or merged.")]
 
@@ -62,6 +64,8 @@ def generate(
     max_input_tokens: MaxInput = None,
     decoders: Decoders = "auto",
     threads: Threads = 1,
+    device: Device = "cpu",
+    io_binding: IoBinding = False,
 ) -> None:
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
     from t5compress.runtime import load_runtime
@@ -71,7 +75,7 @@ def generate(
     prefix = argument(prefix, "--prefix")
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
-    rt = load_runtime(path, threads=threads, decoders=decoders)
+    rt = load_runtime(path, threads=threads, decoders=decoders, device=device, io_binding=io_binding)
     if rt.format == "torchscript":
         err_console.print(f"[yellow]warning:[/yellow] {TORCHSCRIPT_WARNING}", highlight=False, soft_wrap=True)
     if max_input_tokens is not None:

@@ -114,7 +114,9 @@ class _DecoderStep(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # (batch, dec_len, d_model) -> (batch, dec_len, vocab)
-        return self.lm_head(hidden * self.scale if self.scale != 1.0 else hidden)
+        logits = self.lm_head(hidden * self.scale if self.scale != 1.0 else hidden)
+        # Half-precision exports hand out fp32 logits (scores, log-softmax and parity read fp32); fp32: no Cast node.
+        return logits if logits.dtype == torch.float32 else logits.float()
 
 
 class DecoderGraph(_DecoderStep):

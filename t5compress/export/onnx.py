@@ -81,7 +81,7 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
                 warnings.filterwarnings("ignore", notice, DeprecationWarning)
             torch.onnx.export(
                 wrapper,
-                spec.dummy_inputs(model.config),
+                dummy_inputs(model, spec),
                 str(scratch / path.name),
                 input_names=list(spec.inputs),
                 output_names=list(spec.outputs),
@@ -103,6 +103,13 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
         log.info("%s: tied embedding stored once (%.1f MB less)", spec.name, saved / 1e6)
     drop_copying_concats(proto.graph)
     return save_onnx(proto, path, external)
+
+
+def dummy_inputs(model: torch.nn.Module, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
+    """`spec`'s tracing inputs, float ones (hidden states, cache) in the model's dtype: an fp16 model is traced with
+    fp16 inputs, so its graph takes fp16 encoder_hidden_states and cache (ids and masks stay int64)."""
+    dtype = model.dtype
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in spec.dummy_inputs(model.config))
 
 
 def drop_copying_concats(graph: onnx.GraphProto) -> int:

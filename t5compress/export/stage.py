@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 
 from t5compress import artifacts, kinds
 from t5compress.config import choose, option, require
-from t5compress.errors import ModelError
+from t5compress.errors import ConfigError, ModelError
 from t5compress.export.onnx import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD, OPT_LEVELS, USE_CACHE_BRANCH
+from t5compress.export.precision import BF16_REFUSED, DTYPES
 from t5compress.names import (
     DECODER,
     DECODER_MERGED,
@@ -53,6 +54,12 @@ DECODER_LAYOUTS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class ExportConfig:
     format: str = option("onnx", help="Graph format: onnx or torchscript.")
+    dtype: str = option(
+        "fp32",
+        help="Precision of the ONNX graphs: fp32, or fp16 (half the size; T5's wo projections, the residual sums and"
+        " layer-norm variances stay fp32 as in transformers, logits are fp32; checked against the fp32 model within"
+        " --half-atol/--half-rtol). bf16 is refused: ONNX Runtime's CPU provider has no bf16 kernels to check it.",
+    )
     opset: int = option(DEFAULT_OPSET, help="ONNX opset version (14 or later; 17 is tested).")
     decoders: str = option(
         "separate",
@@ -72,6 +79,10 @@ class ExportConfig:
                          " within atol + rtol * max|PyTorch tensor| of PyTorch.")
     rtol: float = option(1e-5, help="Relative part of the parity tolerance, times the tensor's largest magnitude (fp32"
                          " rounding grows with the values: Flan-T5 logits reach ~100).")
+    half_atol: float = option(0.01, help="fp16 exports: absolute part of the tolerance against the fp32 PyTorch"
+                              " model, per output tensor (atol + rtol * max|PyTorch tensor|).")
+    half_rtol: float = option(0.02, help="fp16 exports: relative part of that tolerance, times the tensor's largest"
+                              " magnitude (fp16 keeps 11 significant bits; errors grow through the layers).")
     max_new_tokens: int = option(8, help="Tokens generated in the greedy check against model.generate.")
     int8_rtol: float = option(
         0.1, help="QAT dirs (int8 graphs): largest difference to the fake-quant model, relative to the logits' scale."
@@ -90,6 +101,14 @@ class ExportConfig:
         require(self.int8_rtol > 0, "int8_rtol", f"must be > 0, got {self.int8_rtol}")
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be at least 1, got {self.max_new_tokens}")
         require(self.external_data_threshold >= 0, "external_data_threshold", "must be >= 0")
+        choose(DTYPES, self.dtype, "dtype")
+        require(self.dtype != "bf16", "dtype", BF16_REFUSED.removeprefix("--dtype bf16: "))
+        require(self.format == "onnx" or self.dtype == "fp32", "dtype",
+                f"--dtype {self.dtype} applies to ONNX exports; TorchScript graphs are traced and checked in fp32"
+                " only")
+        for name in ("half_atol", "half_rtol"):
+            value = getattr(self, name)
+            require(value >= 0 and value == value, name, f"must be a number >= 0, got {value}")
         onnx_only = self.format == "onnx" or not (self.layout != "separate" or self.optimize)
         require(onnx_only, "format", "--merged, --decoders and --optimize apply to ONNX exports only")
         require(not self.inflight or (self.format == "onnx" and self.layout == "separate"), "inflight",
@@ -116,10 +135,12 @@ def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportCo
         remove_graph,
         write_merged,
     )
-    from t5compress.export.verify import open_onnx, verify
+    from t5compress.export.precision import half_model
 
-    external = needs_external_data(parameter_bytes(model), cfg.external_data_threshold)
-    export_onnx(model, specs, out, cfg.opset, external)
+    traced = model if cfg.dtype == "fp32" else half_model(model, cfg.dtype)
+    external = needs_external_data(parameter_bytes(traced), cfg.external_data_threshold)
+    export_onnx(traced, specs, out, cfg.opset, external)
+    del traced
     if DECODER_MERGED in cfg.graphs:
         write_merged(out, external)
     for name in (DECODER, DECODER_WITH_PAST):
@@ -127,17 +148,25 @@ def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportCo
             remove_graph(out, name)
     names = list(cfg.graphs)
     section: dict = {"opset": cfg.opset, "external_data": external, "decoders": cfg.layout, "graphs": names,
-                     "inflight": cfg.inflight}
-    section["parity"] = verify(model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens, "ONNX export", cfg.rtol)
+                     "inflight": cfg.inflight, "dtype": cfg.dtype}
+    section["parity"] = check_onnx_dir(model, out, names, cfg, "ONNX export")
     if cfg.optimize:
         for name in names:
             optimize_onnx(out / f"{name}{ONNX_SUFFIX}", cfg.optimize_level, external)
         section["parity_unoptimized"] = section["parity"]
-        section["parity"] = verify(
-            model, open_onnx(out, names), cfg.atol, cfg.max_new_tokens,
-            f"ONNX export optimised ({cfg.optimize_level})", cfg.rtol,
-        )
+        section["parity"] = check_onnx_dir(model, out, names, cfg, f"ONNX export optimised ({cfg.optimize_level})")
     return section
+
+
+def check_onnx_dir(model, out: Path, names: list[str], cfg: ExportConfig, what: str) -> dict:
+    """The graphs in `out` against the fp32 PyTorch `model`: exact-greedy fp32 parity, or the half-precision check."""
+    from t5compress.export.precision import check_half
+    from t5compress.export.verify import open_onnx, verify
+
+    graphs = open_onnx(out, names)
+    if cfg.dtype == "fp32":
+        return verify(model, graphs, cfg.atol, cfg.max_new_tokens, what, cfg.rtol)
+    return check_half(model, graphs, cfg.half_atol, cfg.half_rtol, cfg.max_new_tokens, f"{what} ({cfg.dtype})")
 
 
 def export_torchscript_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportConfig) -> dict:
@@ -160,9 +189,12 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
     from t5compress.export.graphs import graph_specs, manifest
 
     out = artifacts.check_output(out, force, inputs=[src, cfg])  # before loading anything heavy
+    hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
+    if hook is not None and cfg.dtype != "fp32":
+        raise ConfigError(f"--dtype {cfg.dtype}: '{src}' is a QAT model dir, whose export is int8 Q/DQ graphs with "
+                          "its learned scales; export it without --dtype")
     model, tokenizer = _load(src)
     exporter = EXPORTERS[cfg.format]
-    hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
     if hook is not None:
         model, exporter = hook(src, model)
     specs = graph_specs(model.config, masked_past=cfg.inflight)

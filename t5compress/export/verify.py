@@ -234,6 +234,47 @@ def generation_parity(
             "tokens": want.tolist()}
 
 
+def raise_if_over(
+    parity: dict[str, dict], atol: float, rtol: float, what: str, options: str = "--atol/--rtol"
+) -> None:
+    """A one-line ExportError naming the graph and tensor of `tensor_parity`'s result that is over its tolerance."""
+    for name, p in parity.items():
+        w = p["worst"]
+        if not w["ratio"] <= 1.0:
+            raise ExportError(
+                f"{what}: {name} differs from PyTorch by {w['abs_diff']:.3g} in {w['output']} (> {w['allowed']:.3g} ="
+                f" atol {atol:g} + rtol {rtol:g} x max|ref| {w['scale']:.3g}); nothing was written"
+                f" (raise {options} if this precision is acceptable)"
+            )
+
+
+@torch.no_grad()
+def token_agreement(model, graphs: dict[str, Graph], max_new_tokens: int, rows: int = 16, seed: int = 7) -> dict:
+    """Greedy tokens of the graphs vs `model.generate` on random padded inputs: the share of generated tokens that
+    match before each row's first difference (a token after a difference is counted as differing)."""
+    from transformers import GenerationConfig
+
+    cfg = model.config
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    start = cfg.decoder_start_token_id if cfg.decoder_start_token_id is not None else cfg.pad_token_id
+    ids, mask = make_batch(cfg.vocab_size, rows, 11, np.random.default_rng(seed))
+    gen = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, decoder_start_token_id=start,
+                           eos_token_id=eos, pad_token_id=cfg.pad_token_id, cache_implementation="dynamic_full")
+    want = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                          generation_config=gen).numpy()
+    got = greedy(graphs, ids, mask, start, set(eos), cfg.pad_token_id, max_new_tokens)
+    width = max(want.shape[1], got.shape[1])
+    want, got = (np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=cfg.pad_token_id) for a in (want, got))
+    same = total = 0
+    for w, g in zip(want[:, 1:], got[:, 1:], strict=True):
+        n = int((w != cfg.pad_token_id).sum()) or 1  # generated tokens of the reference row
+        diff = np.flatnonzero(w != g)
+        same += min(n, int(diff[0]) if diff.size else n)
+        total += n
+    return {"rows": rows, "tokens": total, "agreement": round(same / total, 4),
+            "identical_rows": int(sum((w == g).all() for w, g in zip(want, got, strict=True)))}
+
+
 def verify(
     model, graphs: dict[str, Graph], atol: float, max_new_tokens: int, what: str, rtol: float = DEFAULT_RTOL
 ) -> dict:
@@ -242,14 +283,7 @@ def verify(
     A graph passes when every output tensor is within `atol + rtol * max|reference tensor|` of PyTorch.
     """
     parity = tensor_parity(model, graphs, atol, rtol)
-    for name, p in parity.items():
-        w = p["worst"]
-        if not w["ratio"] <= 1.0:
-            raise ExportError(
-                f"{what}: {name} differs from PyTorch by {w['abs_diff']:.3g} in {w['output']} (> {w['allowed']:.3g} ="
-                f" atol {atol:g} + rtol {rtol:g} x max|ref| {w['scale']:.3g}); nothing was written"
-                " (raise --atol/--rtol if this precision is acceptable)"
-            )
+    raise_if_over(parity, atol, rtol, what)
     gens = {layout: generation_parity(model, graphs, max_new_tokens, decoders=layout) for layout in layouts(graphs)}
     for layout, gen in gens.items():
         if not gen["identical"]:

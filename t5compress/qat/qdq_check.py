@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from t5compress.errors import ExportError
-from t5compress.export.verify import CASES, generation_parity, greedy, logits_parity, make_batch
+from t5compress.export.verify import CASES, generation_parity, logits_parity, make_batch, token_agreement
 from t5compress.names import ENCODER
 
 log = logging.getLogger(__name__)
@@ -37,33 +37,6 @@ def reference_scales(model, seed: int = 0) -> dict[str, float]:
         hidden_max = max(hidden_max, float(out.encoder_last_hidden_state.abs().max()))
         logits_max = max(logits_max, float(out.logits.abs().max()))
     return {"encoder": hidden_max, "logits": logits_max}
-
-
-@torch.no_grad()
-def token_agreement(model, graphs, max_new_tokens: int, rows: int = 16, seed: int = 7) -> dict:
-    """Greedy tokens of the graphs vs `model.generate` on random padded inputs: the share of generated tokens that
-    match before each row's first difference (a token after a difference is counted as differing)."""
-    from transformers import GenerationConfig
-
-    cfg = model.config
-    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    start = cfg.decoder_start_token_id if cfg.decoder_start_token_id is not None else cfg.pad_token_id
-    ids, mask = make_batch(cfg.vocab_size, rows, 11, np.random.default_rng(seed))
-    gen = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, decoder_start_token_id=start,
-                           eos_token_id=eos, pad_token_id=cfg.pad_token_id, cache_implementation="dynamic_full")
-    want = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                          generation_config=gen).numpy()
-    got = greedy(graphs, ids, mask, start, set(eos), cfg.pad_token_id, max_new_tokens)
-    width = max(want.shape[1], got.shape[1])
-    want, got = (np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=cfg.pad_token_id) for a in (want, got))
-    same = total = 0
-    for w, g in zip(want[:, 1:], got[:, 1:], strict=True):
-        n = int((w != cfg.pad_token_id).sum()) or 1  # generated tokens of the reference row
-        diff = np.flatnonzero(w != g)
-        same += min(n, int(diff[0]) if diff.size else n)
-        total += n
-    return {"rows": rows, "tokens": total, "agreement": round(same / total, 4),
-            "identical_rows": int(sum((w == g).all() for w, g in zip(want, got, strict=True)))}
 
 
 def check(model, graphs: dict, rtol: float, max_new_tokens: int, what: str) -> dict:

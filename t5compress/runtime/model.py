@@ -111,6 +111,8 @@ class Seq2SeqRuntime:
         self.tokens = tokens
         self.defaults = defaults  # GenerationSettings fields found in generation_config.json
         self.max_input_tokens = input_limit(self.path) if max_input_tokens is _FROM_DIR else (max_input_tokens or None)
+        self.device = "cpu"  # where the graphs run ('cpu' or 'cuda:N'); load_runtime sets it from the sessions
+        self.io_binding = False  # True: the KV cache stays on the device between steps (runtime.binding)
         self._tokenizer = None
 
     @property
@@ -158,9 +160,18 @@ class Seq2SeqRuntime:
         check_fits(self.shape, input_ids.shape[0], s.num_beams, input_ids.shape[1], s.max_new_tokens)
         mask = self._mask(input_ids, attention_mask)
         hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
-        decoder = CachedDecoder(self.backend, hidden, mask, s.num_beams)
+        decoder = self.decoder_for(hidden, mask, s.num_beams)
         search = beam_search if s.num_beams > 1 else greedy_search
         return search(decoder, input_ids.shape[0], s, self.tokens)
+
+    def decoder_for(self, hidden: np.ndarray, mask: np.ndarray, beams: int):
+        """The step-by-step decoder of one call: the cache as numpy arrays, or (io_binding) as OrtValues kept on the
+        sessions' device."""
+        if self.io_binding:
+            from t5compress.runtime.binding import BoundDecoder
+
+            return BoundDecoder(self.backend, hidden, mask, beams, self.device)
+        return CachedDecoder(self.backend, hidden, mask, beams)
 
     def _mask(self, input_ids: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
         if attention_mask is not None:
@@ -228,7 +239,7 @@ def load_tokenizer(path: Path, pad_id: int):
 
 def load_runtime(
     path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto",
-    max_input_tokens: int | None | object = _FROM_DIR,
+    max_input_tokens: int | None | object = _FROM_DIR, device: str = "cpu", io_binding: bool = False,
 ) -> Seq2SeqRuntime:
     """Open an ONNX or TorchScript export directory for generation.
 
@@ -240,8 +251,43 @@ def load_runtime(
         decoders: 'separate', 'merged' or 'auto' (the separate decoders when the dir has them, else the merged one).
         max_input_tokens: longest input in tokens, longer ones are truncated (None or 0: no limit); default: the
             dir's tokenizer_config.json `model_max_length`.
+        device: 'cpu', 'cuda', 'cuda:N' or 'auto' (see `runtime.device`); ignored when `providers` is given.
+        io_binding: keep the KV cache on the device between steps (ONNX, separate decoders; see `runtime.binding`).
     """
     p = Path(path)
-    backend = open_backend(p, threads, providers, decoders)
+    backend, placed = open_on_device(p, threads, providers, decoders, device)
+    if io_binding and not hasattr(backend.decoder, "session"):
+        raise ModelError(f"--io-binding: '{p}' opened as {backend.format} with "
+                         f"{'merged' if backend.format == 'onnx' else 'TorchScript'} decoders; IO binding runs the "
+                         "separate ONNX decoder graphs (--decoders separate)")
     tokens, defaults = read_generation_defaults(p)
-    return Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
+    rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
+    rt.device, rt.io_binding = placed, io_binding
+    return rt
+
+
+def open_on_device(
+    path: Path, threads: int, providers: Sequence[str] | None, decoders: str, device: str
+) -> tuple[Backend, str]:
+    """The backend on `device` and the device it really runs on ('cpu' or 'cuda:N'): CUDA asked for and not started
+    is a one-line ModelError, never a silent CPU run (`auto` alone may fall back)."""
+    from t5compress.runtime.device import check_session, describe, parse_device, providers_for
+    from t5compress.runtime.sessions import detect_format
+
+    wanted = parse_device(device)
+    if providers is None:
+        if wanted.kind != "cpu" and detect_format(path) == "torchscript":
+            if wanted.kind == "cuda":
+                raise ModelError(f"--device {wanted.name}: '{path}' is a TorchScript export, which this runtime runs "
+                                 "on the CPU only; export ONNX for CUDA")
+            return open_backend(path, threads, None, decoders), "cpu"
+        providers = providers_for(wanted)
+    else:
+        wanted = parse_device(describe(providers))
+    backend = open_backend(path, threads, providers, decoders)
+    if backend.format != "onnx":
+        return backend, "cpu"
+    placed = check_session(backend.encoder.session, wanted, path)
+    if wanted.kind == "auto":
+        log.info("device auto: %s runs on %s", path, placed)
+    return backend, placed
