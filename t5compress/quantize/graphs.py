@@ -137,7 +137,7 @@ def share_lm_head_table(path: Path) -> int:
         return 0
     kept = [n for n in model.graph.node if n.name not in dead]
     del model.graph.node[:]
-    model.graph.node.extend(_topological(kept))
+    model.graph.node.extend(topological(kept))
     onnx.save(model, str(path))
     return saved
 
@@ -171,7 +171,7 @@ def _gather_scaled(model: onnx.ModelProto, node, copy: str, out: str, inits: dic
     return True
 
 
-def _topological(nodes: list) -> list:
+def topological(nodes: list) -> list:
     """`nodes` in an order where every node comes after the producers of its inputs (ONNX requires it)."""
     produced_by = {o: i for i, n in enumerate(nodes) for o in n.output}
     order, state = [], {}
