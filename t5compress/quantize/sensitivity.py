@@ -22,11 +22,13 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import onnx
+from typing import TYPE_CHECKING
 
 from t5compress.errors import QuantizeError
 from t5compress.names import DECODER, ENCODER, ONNX_SUFFIX
+
+if TYPE_CHECKING:
+    import onnx
 
 log = logging.getLogger(__name__)
 
@@ -58,36 +60,72 @@ def groups(nodes: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def mixed(fp32: onnx.ModelProto, int8: onnx.ModelProto, names: set[str]) -> onnx.ModelProto:
+def mixed(fp32: onnx.ModelProto, int8: onnx.ModelProto, names: set[str], quantizable: set[str] = frozenset(),
+          ) -> onnx.ModelProto:
     """`fp32` in which the nodes `names` read their inputs as `int8` (a QDQ graph of it) does: through its
-    QuantizeLinear/DequantizeLinear chains, with their int8 weights and scales. Everything else stays fp32."""
+    QuantizeLinear/DequantizeLinear chains, with their int8 weights and scales. Nodes outside `quantizable` that read
+    the same dequantized tensors in `int8` (ONNX Runtime's quantizer hands them to every consumer: residual adds,
+    shapes) read them here too. Everything else stays fp32."""
+    import onnx
+
     from t5compress.quantize.graphs import topological
 
     out = onnx.ModelProto()
     out.CopyFrom(fp32)
     producers = {o: n for n in int8.graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in int8.graph.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
     quantized = {n.name: n for n in int8.graph.node}
     inits = {t.name: t for t in int8.graph.initializer}
-    have_inits = {t.name for t in out.graph.initializer}
-    have = {o for n in out.graph.node for o in n.output} | {i.name for i in out.graph.input} | have_inits
-    added = []
+    have = {o for n in out.graph.node for o in n.output} | {i.name for i in out.graph.input}
+    have |= {t.name for t in out.graph.initializer}
+    added, made = [], set()
+
+    def take(p) -> None:  # one QuantizeLinear/DequantizeLinear of `int8`, with the constants it reads
+        added.append(p)
+        have.update(p.output)
+        made.update(p.output)
+        for x in p.input:
+            if x in inits and x not in have:
+                out.graph.initializer.append(inits[x])
+                have.add(x)
+
     for node in out.graph.node:
         q = quantized.get(node.name)
         if node.name not in names or q is None:
             continue
-        stack = list(q.input)
+        stack = list(q.input)  # upstream: what the node reads (quantized activation, int8 weight)
         while stack:
             t = stack.pop()
             p = producers.get(t)
             if p is not None and p.op_type in QDQ_OPS and t not in have:
-                added.append(p)
-                have.update(p.output)
+                take(p)
                 stack.extend(p.input)
             elif p is None and t in inits and t not in have:
                 out.graph.initializer.append(inits[t])
                 have.add(t)
+        renamed = [o for o, qo in zip(node.output, q.output, strict=True) if o != qo]
+        if renamed:  # a graph output (logits): the quantizer renamed the node's output, its DequantizeLinear makes it
+            del node.output[:]
+            node.output.extend(q.output)
+            have.difference_update(renamed)
+        stack = list(q.output)  # downstream: its output's QuantizeLinear/DequantizeLinear pair, if quantized
+        while stack:
+            for r in readers.get(stack.pop(), []):
+                if r.op_type in QDQ_OPS and r.output[0] not in have:
+                    take(r)
+                    stack.extend(r.output)
         del node.input[:]
         node.input.extend(q.input)
+    for node in out.graph.node:  # the other readers of what was quantized
+        q = quantized.get(node.name)
+        if node.name not in names and node.name not in quantizable and q is not None \
+                and len(q.input) == len(node.input) and any(t in made for t in q.input):
+            for i, t in enumerate(q.input):
+                if t in made:
+                    node.input[i] = t
     nodes = topological(list(out.graph.node) + added)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
@@ -101,12 +139,15 @@ class Variants:
     fp32: dict[str, onnx.ModelProto]
     int8: dict[str, onnx.ModelProto]
     work: Path
+    quantizable: dict[str, set[str]]
     count: int = 0
 
     def write(self, graph: str, names: set[str]) -> Path:
+        import onnx
+
         self.count += 1
         dst = self.work / f"{graph}.mix{self.count}{ONNX_SUFFIX}"
-        onnx.save(mixed(self.fp32[graph], self.int8[graph], names), str(dst))
+        onnx.save(mixed(self.fp32[graph], self.int8[graph], names, self.quantizable[graph]), str(dst))
         return dst
 
     def graphs(self, names: dict[str, set[str]], threads: int) -> dict:
@@ -213,7 +254,8 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, calibrators: dic
         int8[g] = work / f"{g}.all-int8{ONNX_SUFFIX}"
         calibrators[g].write(int8[g], "qdq", cfg.per_channel, _reduced(cfg))
     variants = Variants({g: load_onnx(str(sources[g])) for g in measured},
-                        {g: load_onnx(str(int8[g])) for g in measured}, work)
+                        {g: load_onnx(str(int8[g])) for g in measured}, work,
+                        {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured})
     status("sensitivity: fp32 reference outputs")
     reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens)
     table = groups({g: list(p.nodes) for g, p in plans.items()})
@@ -259,3 +301,23 @@ def step_ms(path: Path, feed: dict, threads: int = 1, repeats: int = 30) -> floa
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return round(float(np.median(times)) * 1000, 3)
+
+
+def ranked(report: dict) -> list[dict]:
+    """The sensitivity rows, most sensitive first, each with `kept` (whether the group stayed fp32)."""
+    kept = set(report.get("kept", []))
+    rows = sorted(report["groups"], key=lambda r: (r["next_token_agreement"], -r["mean_rel_logit_error"]))
+    return [{**r, "kept": r["group"] in kept} for r in rows]
+
+
+def summary(report: dict) -> str:
+    """One line: all-int8 agreement, what was kept fp32 and what that cost (size, with-past step time)."""
+    whole = report["all_int8"]["next_token_agreement"]
+    head = (f"sensitivity of {len(report['groups'])} layer groups ({report['seconds']:.1f} s): all int8 picks fp32's "
+            f"next token at {whole:.2%}, target {report['target']:.0%}")
+    if not report["kept"]:
+        return head + "; nothing kept fp32"
+    step = report.get("step_ms")
+    speed = f", decoder step {step['ratio']:.2f}x the all-int8 one" if step else ""
+    return (head + f"; kept fp32: {', '.join(report['kept'])} (+{report['kept_fp32_bytes'] / 1e6:.2f} MB{speed}) "
+            f"-> {report['kept_check']['next_token_agreement']:.2%}")

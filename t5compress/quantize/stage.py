@@ -24,7 +24,16 @@ from t5compress.cpu import FULL_WEIGHT_MAX, WEIGHT_RANGES, weight_max
 from t5compress.errors import ModelError, QuantizeError, first_line
 from t5compress.names import DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
-from t5compress.quantize.sources import KEEP_AUTO, KEEP_NONE, drive_texts, is_gated, plan_for, smoothed, untied
+from t5compress.quantize.sources import (
+    KEEP_AUTO,
+    KEEP_NONE,
+    KEEP_SENSITIVE,
+    drive_texts,
+    is_gated,
+    plan_for,
+    smoothed,
+    untied,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +63,13 @@ class QuantizeConfig:
     op_types: tuple[str, ...] = opt(("MatMul", "Gemm"), "Op types quantized. MatMul/Gemm mean the linear layers "
                                                        "(constant weights); others are quantized wherever they occur.")
     embeddings: bool = opt(True, "Also store the token embedding (Gather) as int8.")
-    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (static: measure each layer group's sensitivity and keep "
-                                    "the fewest groups fp32 that reach --target-agreement; dynamic: T5's FFN output "
-                                    "`wo` of gated-gelu models, unless smoothed), none, or comma-separated name "
-                                    "parts, e.g. 'DenseReluDense/wo/'.")
-    target_agreement: float = opt(0.97, "With --keep-fp32 auto (static): the next-token agreement with fp32 that "
-                                        "the groups kept fp32 must reach on the calibration texts.")
+    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: sensitive (static: measure each layer group's sensitivity, "
+                                    "keep the fewest groups fp32 that reach --target-agreement), auto (sensitive "
+                                    "for gated-gelu models, nothing for relu ones; dynamic: gated models' FFN output "
+                                    "`wo`, unless smoothed), none, or comma-separated name parts, e.g. "
+                                    "'DenseReluDense/wo/'.")
+    target_agreement: float = opt(0.97, "Static, --keep-fp32 sensitive (auto on gated models): the next-token "
+                                        "agreement with fp32 the kept groups must reach on the calibration texts.")
     smooth_alpha: float = opt(0.0, "SmoothQuant migration strength for `wo` inputs (0 disables; 0.5 is typical): "
                                    "keeps `wo` int8 without its outliers.")
     eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side.")
@@ -92,6 +102,8 @@ class QuantizeConfig:
         require(self.eval_max >= 1, "eval_max", f"must be >= 1, got {self.eval_max}")
         require(self.tolerance is None or 0 <= self.tolerance < 1, "tolerance",
                 f"must be in [0, 1), e.g. 0.01 for 1%, got {self.tolerance}")
+        require(self.keep_fp32 != KEEP_SENSITIVE or (self.mode == "static" and self.tolerance is None), "keep_fp32",
+                "sensitive is measured on static int8 and replaces --tolerance's search: use --static, no --tolerance")
         require(self.tolerance is None or (self.mode == "static" and bool(self.eval_data)), "tolerance",
                 "tuning needs --static and --eval-data (the task metric it keeps within tolerance)")
 
@@ -183,9 +195,10 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         smoothing = None
         if cfg.smooth_alpha > 0:
             sources, smoothing = smoothed(src, sources, cfg, texts, work, progress)
-        guided = cfg.mode == "static" and cfg.keep_fp32 == KEEP_AUTO
-        plan_cfg = replace(cfg, keep_fp32=KEEP_NONE) if guided else cfg  # auto: the sensitivity decides
-        plans = {g: plan_for(sources[g], plan_cfg, is_gated(src)) for g in GRAPHS}
+        gated = is_gated(src)
+        guided = cfg.mode == "static" and (cfg.keep_fp32 == KEEP_SENSITIVE or (cfg.keep_fp32 == KEEP_AUTO and gated))
+        plan_cfg = replace(cfg, keep_fp32=KEEP_NONE) if guided else cfg  # the sensitivity decides
+        plans = {g: plan_for(sources[g], plan_cfg, gated) for g in GRAPHS}
         feeds: dict[str, int] = {}
         sensitivity = None
         if cfg.mode == "static":
