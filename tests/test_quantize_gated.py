@@ -93,6 +93,16 @@ def test_gated_default_measures_every_group_and_keeps_the_most_sensitive_fp32(gu
     assert guided["check"]["next_token_agreement"] >= s["all_int8"]["next_token_agreement"] - 0.02
 
 
+def test_untied_embedding_lookup_gathers_int8_rows(guided):
+    # the untied table stays uint8 and no step dequantizes all of it (as the tied table's lookup, test_quantize.py)
+    assert guided["graphs"]["int8_row_lookups"] == {"encoder_model": 1, "decoder_model": 1,
+                                                    "decoder_with_past_model": 1}
+    graph = onnx.load(str(guided["out"] / "decoder_with_past_model.onnx")).graph
+    uint8 = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.UINT8}
+    lookups = [n for n in graph.node if n.op_type == "Gather" and "embed_tokens" in n.name]
+    assert lookups and all(n.input[0] in uint8 for n in lookups), [n.input[0] for n in lookups]
+
+
 def _outliers_everywhere(src: Path, dst: Path) -> Path:
     """The tiny gated model with a 1000x channel at the input of every linear layer, the consumer's weight divided
     back (same fp32 function), and one 1000x embedding row: int8 rounds all but one input channel to 0."""

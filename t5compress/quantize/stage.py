@@ -164,11 +164,15 @@ def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, graphs: dict) -> None:
     Not after tuning: the tuning's metric was measured on the graphs as they are, and its guarantee is about those.
     """
     if cfg.embeddings and cfg.tolerance is None:
-        from t5compress.quantize.graphs import share_lm_head_table
+        from t5compress.quantize.graphs import gather_int8_rows, share_lm_head_table
 
         saved = {g: share_lm_head_table(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
         if any(saved.values()):
             graphs["tied_table_bytes_saved"] = saved
+        if cfg.mode == "static":  # an untied table: its lookup gathers int8 rows too, as the tied one does
+            rows = {g: gather_int8_rows(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
+            if any(rows.values()):
+                graphs["int8_row_lookups"] = rows
     if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
         from t5compress.export.onnx import write_merged
 
