@@ -74,9 +74,11 @@ class StaticGraph:
         self.feeds += 1
 
     def write(self, dst: Path, fmt: str, per_channel: bool, reduce_range: bool = False, plan: Plan | None = None,
-              ) -> None:
+              outputs: bool = True) -> None:
         """The int8 graph of `plan` (default: the one calibrated for); the ranges are computed once, so one
-        calibration can write several plans."""
+        calibration can write several plans. `outputs=False` leaves the linear layers' outputs fp32 (ONNX Runtime's
+        QDQ quantizer otherwise rounds them to uint8 too: every residual contribution, the gate's inputs, the
+        logits)."""
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
         from onnxruntime.quantization.calibrate import save_tensors_data
 
@@ -95,7 +97,8 @@ class StaticGraph:
                 reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                 nodes_to_quantize=list(plan.nodes), nodes_to_exclude=list(plan.exclude),
                 calibrate_method=_calibration_methods()[self.method],
-                extra_options={"MatMulConstBOnly": True, "ActivationSymmetric": False},
+                extra_options={"MatMulConstBOnly": True, "ActivationSymmetric": False,
+                               **({} if outputs else {"OpTypesToExcludeOutputQuantization": ["MatMul", "Gemm"]})},
             )
 
 

@@ -260,22 +260,38 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, calibrators: dic
     from t5compress.runtime.sessions import load_onnx
 
     measured = (ENCODER, DECODER)
-    int8 = {}
-    for g in measured:  # QDQ whatever the output format: the mixes are made from its QuantizeLinear/DequantizeLinear
-        int8[g] = work / f"{g}.all-int8{ONNX_SUFFIX}"
-        calibrators[g].write(int8[g], "qdq", cfg.per_channel, _reduced(cfg))
+    status("sensitivity: fp32 reference outputs")
+    reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens)
+    outputs, remedy = _outputs_remedy(calibrators, cfg, reference, work)
+    int8 = {g: work / f"{g}.all-int8{'' if outputs else '.fp32-outputs'}{ONNX_SUFFIX}" for g in measured}
     variants = Variants({g: load_onnx(str(sources[g])) for g in measured},
                         {g: load_onnx(str(int8[g])) for g in measured}, work,
                         {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured})
-    status("sensitivity: fp32 reference outputs")
-    reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens)
     table = groups({g: list(p.nodes) for g, p in plans.items()})
     report = guide(variants, reference, table, cfg.target_agreement, cfg.threads, status)
+    report["remedy"] = remedy
     kept = {g: set(report["kept_nodes"].get(g, [])) for g in plans}
     out = {g: Plan(tuple(n for n in p.nodes if n not in kept[g]), tuple(p.exclude) + tuple(sorted(kept[g])),
                    p.op_types) for g, p in plans.items()}
     report["kept_fp32_bytes"] = sum(_weight_bytes(sources[g], kept[g]) for g in plans) * 3 // 4  # fp32 - int8
     return out, report
+
+
+def _outputs_remedy(calibrators: dict, cfg, reference, work: Path) -> tuple[bool, dict]:
+    """The first remedy, tried before any group is kept fp32: the linear layers' outputs left fp32 (int8 weights
+    and inputs, as dynamic int8 has them). Writes both all-int8 encoder/decoder pairs into `work` (QDQ: the mixes
+    are cut from them); returns whether outputs stay int8 (the better of the two) and both measurements."""
+    from t5compress.runtime.sessions import OnnxGraph
+
+    got = {}
+    for outputs, tag in ((True, ""), (False, ".fp32-outputs")):
+        paths = {g: work / f"{g}.all-int8{tag}{ONNX_SUFFIX}" for g in (ENCODER, DECODER)}
+        for g, path in paths.items():
+            calibrators[g].write(path, "qdq", cfg.per_channel, _reduced(cfg), outputs=outputs)
+        got[outputs] = _short(reference.compare(*(OnnxGraph(paths[g], cfg.threads) for g in (ENCODER, DECODER))))
+    int8_outputs = got[False]["next_token_agreement"] <= got[True]["next_token_agreement"]
+    return int8_outputs, {"linear_outputs_int8": got[True], "linear_outputs_fp32": got[False],
+                    "chosen": "linear outputs int8" if int8_outputs else "linear outputs fp32"}
 
 
 def _reduced(cfg) -> bool:
@@ -326,6 +342,10 @@ def summary(report: dict) -> str:
     whole = report["all_int8"]["next_token_agreement"]
     head = (f"sensitivity of {len(report['groups'])} layer groups ({report['seconds']:.1f} s): all int8 picks fp32's "
             f"next token at {whole:.2%}, target {report['target']:.0%}")
+    remedy = report.get("remedy", {}).get("chosen")
+    if remedy == "linear outputs fp32":
+        fixed = report["remedy"]["linear_outputs_fp32"]["next_token_agreement"]
+        head += f" with the linear layers' outputs int8, {fixed:.2%} with them fp32 (kept so)"
     if not report["kept"]:
         return head + "; nothing kept fp32"
     step = report.get("step_ms")

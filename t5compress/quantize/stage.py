@@ -243,13 +243,14 @@ def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, cfg: Q
         with Reporter("quantize", what="sensitivity", enabled=progress, transient=True) as bar:
             plans, report = sens.guided(fp32, sources, plans, calibrators, cfg, texts, work,
                                         status=lambda text: bar.update(0, what=text))
+    outputs = report is None or report["remedy"]["chosen"] == "linear outputs int8"
     for g in GRAPHS:
-        calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g])
-    if report is not None and report["kept"] and probe.feeds:
+        calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g], outputs)
+    if report is not None and (report["kept"] or not outputs) and probe.feeds:
         every = work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
+        dwp = plans[DECODER_WITH_PAST]
         calibrators[DECODER_WITH_PAST].write(every, cfg.format, cfg.per_channel, reduce,
-                                             replace(plans[DECODER_WITH_PAST], nodes=plans[DECODER_WITH_PAST].nodes
-                                                     + plans[DECODER_WITH_PAST].exclude, exclude=()))
+                                             replace(dwp, nodes=dwp.nodes + dwp.exclude, exclude=()))
         all_ms = sens.step_ms(every, probe.feeds[-1])
         kept_ms = sens.step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", probe.feeds[-1])
         report["step_ms"] = {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
