@@ -26,7 +26,7 @@ FIXTURE_SHAPE = {"d_model": 256, "d_ff": 768, "num_heads": 4, "d_kv": 64, "num_l
 
 def build_fixture(work: Path, pretrain_steps: int, finetune_steps: int, seed: int = 0) -> dict:
     """pretrain + train the gated fixture into `work`; returns paths and what training measured."""
-    from t5compress import pretrain
+    from t5compress import artifacts, pretrain
     from t5compress.data import DataConfig
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
@@ -40,11 +40,12 @@ def build_fixture(work: Path, pretrain_steps: int, finetune_steps: int, seed: in
     write_jsonl(work / "train.jsonl", make_examples(2000, seed))
     write_jsonl(work / "eval.jsonl", make_examples(200, seed + 1))
     t0 = time.perf_counter()
-    pre = pretrain.run(str(corpus), pretrain.PretrainConfig(
+    pre = artifacts.read_json(work / "pretrained" / "report.json") if (work / "pretrained").is_dir() else None
+    pre = pre or pretrain.run(str(corpus), pretrain.PretrainConfig(
         model="flan-t5-small", overrides=FIXTURE_SHAPE, vocab_size=2000, inputs_length=128, seed=seed,
         train=TrainConfig(max_steps=pretrain_steps, batch_size=16, optimizer="adamwscale", lr=2e-2,
                           warmup_steps=max(pretrain_steps // 10, 1), eval_every=pretrain_steps,
-                          eval_max_examples=64, metric="loss", precision="bf16", seed=seed),
+                          eval_max_examples=64, metric="loss", precision="fp32", seed=seed),
     ), work / "pretrained", force=True, progress=False)
     t1 = time.perf_counter()
     ft = training.run(str(work / "pretrained"), training.FinetuneConfig(
@@ -153,6 +154,7 @@ def main() -> None:
     ap.add_argument("--finetune-steps", type=int, default=300)
     ap.add_argument("--flan-samples", type=int, default=16, help="calibration and held-out texts of flan-t5-small")
     ap.add_argument("--fixture-only", action="store_true")
+    ap.add_argument("--skip-flan", action="store_true", help="measure the fixture only")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     args = ap.parse_args()
     import torch
@@ -173,6 +175,10 @@ def main() -> None:
                           "rows": measure(fixture, 128, 200)}}
     args.out.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(args.out / "int8_gated.json", result)
+    (args.out / "int8_gated.md").write_text(markdown(result))
+    print(markdown(result))
+    if args.skip_flan:
+        return
     flan = args.work / "flan-t5-small"
     if not (flan / "onnx").is_dir():
         build_flan_small(flan, args.flan_samples)

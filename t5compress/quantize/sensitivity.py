@@ -341,7 +341,7 @@ def summary(report: dict) -> str:
     """One line: all-int8 agreement, what was kept fp32 and what that cost (size, with-past step time)."""
     whole = report["all_int8"]["next_token_agreement"]
     head = (f"sensitivity of {len(report['groups'])} layer groups ({report['seconds']:.1f} s): all int8 picks fp32's "
-            f"next token at {whole:.2%}, target {report['target']:.0%}")
+            f"next token at {whole:.2%}, target {report['target']:.1%}")
     remedy = report.get("remedy", {}).get("chosen")
     if remedy == "linear outputs fp32":
         fixed = report["remedy"]["linear_outputs_fp32"]["next_token_agreement"]
