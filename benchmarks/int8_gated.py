@@ -91,13 +91,13 @@ VARIANTS = {  # name: (what, QuantizeConfig fields)
 }
 
 
-def quantize_all(work: Path, samples: int, eval_max: int) -> dict:
+def quantize_all(work: Path, samples: int, eval_max: int, threads: int = 1) -> dict:
     from t5compress.quantize import QuantizeConfig, run
 
     rows = {}
     for name, (what, fields) in VARIANTS.items():
         cfg = QuantizeConfig(calib_data=str(work / "train.jsonl"), eval_data=str(work / "eval.jsonl"),
-                             samples=samples, eval_max=eval_max, min_agreement=0.0, threads=1, **fields)
+                             samples=samples, eval_max=eval_max, min_agreement=0.0, threads=threads, **fields)
         t0 = time.perf_counter()
         r = run(work / "onnx", cfg, work / name, force=True, progress=False)
         c, ev = r["check"], r["eval"]
@@ -135,10 +135,10 @@ def generate_ms(work: Path, names: list[str], texts: list[str], repeats: int = 3
     return {n: round(float(np.median(t)) * 1000, 1) for n, t in times.items()}
 
 
-def measure(work: Path, samples: int, eval_max: int) -> dict:
+def measure(work: Path, samples: int, eval_max: int, threads: int = 1) -> dict:
     from t5compress.quantize.calibrate import load_texts
 
-    rows = quantize_all(work, samples, eval_max)
+    rows = quantize_all(work, samples, eval_max, threads)
     texts = load_texts(work / "eval.jsonl", samples=16)
     ms = generate_ms(work, ["all-int8", "after", "before"], texts)
     for n, v in ms.items():
@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--fixture-only", action="store_true")
     ap.add_argument("--skip-flan", action="store_true", help="measure the fixture only")
     ap.add_argument("--skip-fixture", action="store_true", help="keep the fixture's rows from the last run")
+    ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads while quantizing (timing: 1)")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     args = ap.parse_args()
     import torch
@@ -165,10 +166,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     fixture = args.work / "fixture"
-    if not (fixture / "onnx").is_dir():
+    if not (fixture / "onnx").is_dir() and not args.skip_fixture:
         info = build_fixture(fixture, args.pretrain_steps, args.finetune_steps)
         (fixture / "fixture.json").write_text(json.dumps(info, indent=1))
-    print(json.loads((fixture / "fixture.json").read_text()))
     if args.fixture_only:
         return
     if args.skip_fixture:  # its rows as the last run wrote them
@@ -177,7 +177,7 @@ def main() -> None:
         result = {"cpu": {**cpu_features(), "int8_kernels_saturate": saturates_int8()},
                   "load_average": os.getloadavg(),
                   "fixture": {"shape": FIXTURE_SHAPE, **json.loads((fixture / "fixture.json").read_text()),
-                              "rows": measure(fixture, 128, 200)}}
+                              "rows": measure(fixture, 128, 200, args.threads)}}
     args.out.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(args.out / "int8_gated.json", result)
     (args.out / "int8_gated.md").write_text(markdown(result))
@@ -188,7 +188,8 @@ def main() -> None:
     if not (flan / "onnx").is_dir():
         build_flan_small(flan, args.flan_samples)
     result["flan-t5-small"] = {"shape": "flan-t5-small, random weights (byte-level vocabulary padded to 32128)",
-                               "rows": measure(flan, args.flan_samples, args.flan_samples)}
+                               "rows": measure(flan, args.flan_samples, args.flan_samples, args.threads),
+                               "cpu": {**cpu_features(), "int8_kernels_saturate": saturates_int8()}}
     artifacts.write_json(args.out / "int8_gated.json", result)
     (args.out / "int8_gated.md").write_text(markdown(result))
     print(markdown(result))
@@ -234,7 +235,11 @@ def markdown(r: dict) -> str:
 
 def _about(key: str, m: dict) -> str:
     if key != "fixture":
-        return m["shape"] + ": agreement on random weights means little (flat logits); size and speed count."
+        cpu = m.get("cpu") or {}
+        where = (f" Measured on {cpu.get('model')}, {cpu.get('cpus')} cores (VNNI: "
+                 f"{bool(cpu.get('avx512_vnni') or cpu.get('avx_vnni'))}; saturating u8s8 kernels: "
+                 f"{cpu.get('int8_kernels_saturate')})." if cpu else "")
+        return m["shape"] + ": agreement on random weights means little (flat logits); size and speed count." + where
     return (f"Gated-gelu, untied T5, 4+4 layers, d_model 256 ({m['parameters']:,} parameters), `t5compress pretrain` "
             f"{m['pretrain_steps']} steps on the toy corpus, then `train` {m['finetune_steps']} steps on the demo "
             f"tasks: "
