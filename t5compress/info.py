@@ -195,3 +195,22 @@ def render(data: dict[str, Any], console) -> None:
     for k, v in _metric_rows(data["report"]):
         t.add_row(k, v)
     console.print(t)
+    sens = ((data["report"] or {}).get("graphs") or {}).get("sensitivity")
+    if sens:
+        console.print(_sensitivity_table(sens))
+
+
+def _sensitivity_table(report: dict):
+    """What `quantize` measured per layer group with only that group int8, most sensitive first."""
+    from rich.table import Table
+
+    from t5compress.quantize.sensitivity import ranked, summary
+
+    t = Table(title="int8 sensitivity: only this group int8, the rest fp32 (" + summary(report) + ")",
+              title_justify="left")
+    for col in ("group", "nodes", "next token", "mean logit error", "max logit error", "int8"):
+        t.add_column(col, justify="left" if col == "group" else "right")
+    for r in ranked(report):
+        t.add_row(r["group"], str(r["nodes"]), f"{r['next_token_agreement']:.2%}", f"{r['mean_rel_logit_error']:.4f}",
+                  f"{r['max_rel_logit_error']:.4f}", "kept fp32" if r["kept"] else "int8")
+    return t

@@ -55,6 +55,14 @@ def print_report(report: dict, con) -> None:
     if tuned:
         con.print(f"tuned by onnx-neural-compressor: {len(tuned['trials'])} trial(s), {tuned['metric']} "
                   f"{tuned['int8']:g} vs fp32 {tuned['fp32']:g} (goal {tuned['goal']:g})", highlight=False)
+    sens = report["graphs"].get("sensitivity")
+    if sens:
+        from t5compress.quantize.sensitivity import ranked, summary
+
+        con.print(summary(sens), highlight=False)
+        top = ", ".join(f"{r['group']} {r['next_token_agreement']:.1%}" for r in ranked(sens)[:5])
+        con.print(f"most sensitive alone (only that group int8): {top}; every group: `t5compress info`",
+                  highlight=False)
     kept = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("kept_fp32", [])})
     if kept:
         con.print(f"kept fp32: {len(kept)} node(s), e.g. {kept[0]}", highlight=False)

@@ -16,34 +16,52 @@ import numpy as np
 from t5compress.quantize.calibrate import batches
 
 
+class Reference:
+    """fp32's greedy outputs on `texts`, its encoder states and its logits along them: what int8 graphs are compared
+    with (computed once, so many variants can be measured)."""
+
+    def __init__(self, fp32, texts: Sequence[str], batch_size: int = 16, max_new_tokens: int = 32):
+        self.fp32, self.chunks = fp32, []
+        for chunk in batches(texts, batch_size):
+            ids, mask = fp32.encode(chunk)
+            seq = fp32.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)  # (batch, 1 + steps)
+            hidden = _encode(fp32.backend.encoder, ids, mask)
+            live = seq[:, 1:] != fp32.tokens.pad  # (batch, steps): positions before padding
+            live[:, 0] = True
+            self.chunks.append((ids, mask, seq, hidden, _decode(fp32.backend.decoder, hidden, mask, seq), live))
+
+    def compare(self, encoder=None, decoder=None) -> dict:
+        """Next-token agreement and logit error of the given graphs (None: fp32's) along fp32's greedy outputs."""
+        agree = total = rows = 0
+        worst_rel, sum_rel = 0.0, 0.0
+        for ids, mask, seq, hidden, ref, live in self.chunks:
+            if encoder is not None:
+                hidden = _encode(encoder, ids, mask)
+            got = _decode(decoder or self.fp32.backend.decoder, hidden, mask, seq)  # (batch, steps, vocab)
+            same = ref.argmax(-1) == got.argmax(-1)
+            agree += int((same & live).sum())
+            total += int(live.sum())
+            scale = np.abs(ref).max(axis=(1, 2))  # (batch,)
+            rel = np.abs(got - ref).max(axis=(1, 2)) / np.maximum(scale, 1e-6)
+            worst_rel = max(worst_rel, float(rel.max()))
+            sum_rel += float(rel.sum())
+            rows += len(ids)
+        return {"next_token_agreement": round(agree / max(total, 1), 4), "positions": total,
+                "max_rel_logit_error": round(worst_rel, 4), "mean_rel_logit_error": round(sum_rel / max(rows, 1), 4)}
+
+
 def teacher_forced(fp32, int8, texts: Sequence[str], batch_size: int = 16, max_new_tokens: int = 32) -> dict:
     """Next-token agreement and logit error of `int8` against `fp32` (two runtimes) along fp32's greedy outputs."""
-    agree = total = 0
-    worst_rel, sum_rel = 0.0, 0.0
-    rows = 0
-    for chunk in batches(texts, batch_size):
-        ids, mask = fp32.encode(chunk)
-        seq = fp32.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)  # (batch, 1 + steps)
-        ref, got = _logits(fp32, ids, mask, seq), _logits(int8, ids, mask, seq)  # (batch, steps, vocab)
-        live = seq[:, 1:] != fp32.tokens.pad  # (batch, steps): positions before padding
-        live[:, 0] = True
-        same = ref.argmax(-1) == got.argmax(-1)
-        agree += int((same & live).sum())
-        total += int(live.sum())
-        scale = np.abs(ref).max(axis=(1, 2))  # (batch,)
-        rel = np.abs(got - ref).max(axis=(1, 2)) / np.maximum(scale, 1e-6)
-        worst_rel = max(worst_rel, float(rel.max()))
-        sum_rel += float(rel.sum())
-        rows += len(chunk)
-    return {"next_token_agreement": round(agree / max(total, 1), 4), "positions": total,
-            "max_rel_logit_error": round(worst_rel, 4), "mean_rel_logit_error": round(sum_rel / max(rows, 1), 4)}
+    return Reference(fp32, texts, batch_size, max_new_tokens).compare(int8.backend.encoder, int8.backend.decoder)
 
 
-def _logits(rt, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> np.ndarray:
+def _encode(encoder, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return encoder.run({"input_ids": ids, "attention_mask": mask})["last_hidden_state"]
+
+
+def _decode(decoder, hidden: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> np.ndarray:
     """Logits for every position of `seq` (decoder input = seq without its last token), one decoder call."""
-    hidden = rt.backend.encoder.run({"input_ids": ids, "attention_mask": mask})["last_hidden_state"]
-    out = rt.backend.decoder.run({"input_ids": seq[:, :-1], "encoder_hidden_states": hidden,
-                                  "encoder_attention_mask": mask})
+    out = decoder.run({"input_ids": seq[:, :-1], "encoder_hidden_states": hidden, "encoder_attention_mask": mask})
     return out["logits"].astype(np.float32)
 
 

@@ -137,7 +137,7 @@ def share_lm_head_table(path: Path) -> int:
         return 0
     kept = [n for n in model.graph.node if n.name not in dead]
     del model.graph.node[:]
-    model.graph.node.extend(_topological(kept))
+    model.graph.node.extend(topological(kept))
     onnx.save(model, str(path))
     return saved
 
@@ -171,7 +171,7 @@ def _gather_scaled(model: onnx.ModelProto, node, copy: str, out: str, inits: dic
     return True
 
 
-def _topological(nodes: list) -> list:
+def topological(nodes: list) -> list:
     """`nodes` in an order where every node comes after the producers of its inputs (ONNX requires it)."""
     produced_by = {o: i for i, n in enumerate(nodes) for o in n.output}
     order, state = [], {}
@@ -197,3 +197,50 @@ def _topological(nodes: list) -> list:
     for i in range(len(nodes)):
         visit(i)
     return order
+
+
+def gather_int8_rows(path: Path) -> int:
+    """In a static int8 graph, make each untied embedding lookup gather int8 rows instead of dequantizing its table.
+
+    ONNX Runtime's QDQ quantizer writes an untied table (T5 v1.1 / Flan) as DequantizeLinear(uint8 table) -> Gather:
+    every call dequantizes the whole vocabulary (32128 x 512 for flan-t5-small) to use a few rows. Gathering the
+    uint8 rows first and dequantizing only them, (row - zero point) x scale, gives the same numbers; this is what
+    `share_lm_head_table` does for a tied table. Only per-tensor tables; returns the lookups rewritten."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = load_onnx(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    users: dict[str, int] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            users[x] = users.get(x, 0) + 1
+    dead = set()
+    for node in list(model.graph.node):
+        dq = producers.get(node.input[0]) if node.op_type == "Gather" and EMBEDDING in node.name else None
+        if dq is None or dq.op_type != "DequantizeLinear" or users.get(dq.output[0], 0) != 1 or len(dq.input) < 3 \
+                or any(a.name == "axis" for a in node.attribute if a.i != 0):
+            continue
+        table, scale, zero = dq.input[:3]
+        if not all(x in inits for x in (table, scale, zero)) or list(inits[scale].dims) not in ([], [1]):
+            continue
+        out, base = node.output[0], table.removesuffix("_quantized")
+        zero_f = f"{base}_zero_point_float"
+        model.graph.initializer.append(numpy_helper.from_array(
+            numpy_helper.to_array(inits[zero]).astype("float32"), zero_f))
+        node.input[0], node.output[0] = table, f"{out}_int8"
+        model.graph.node.extend([
+            helper.make_node("Cast", [node.output[0]], [f"{base}_rows_float"], name=f"{base}_rows_Cast",
+                             to=TensorProto.FLOAT),
+            helper.make_node("Sub", [f"{base}_rows_float", zero_f], [f"{base}_rows_centred"],
+                             name=f"{base}_rows_Sub"),
+            helper.make_node("Mul", [f"{base}_rows_centred", scale], [out], name=f"{base}_rows_Mul"),
+        ])
+        dead.add(dq.name)
+    if not dead:
+        return 0
+    kept = [n for n in model.graph.node if n.name not in dead]
+    del model.graph.node[:]
+    model.graph.node.extend(topological(kept))
+    onnx.save(model, str(path))
+    return len(dead)

@@ -67,29 +67,38 @@ class StaticGraph:
         except Exception as e:  # onnxruntime's own types
             raise QuantizeError(f"cannot prepare calibration of {src.name}: {first_line(e)}") from e
         self.feeds = 0
+        self.cache: Path | None = None
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> None:
         self.calibrator.collect_data(_OneFeed(feeds))
         self.feeds += 1
 
-    def write(self, dst: Path, fmt: str, per_channel: bool, reduce_range: bool = False) -> None:
+    def write(self, dst: Path, fmt: str, per_channel: bool, reduce_range: bool = False, plan: Plan | None = None,
+              outputs: bool = True) -> None:
+        """The int8 graph of `plan` (default: the one calibrated for); the ranges are computed once, so one
+        calibration can write several plans. `outputs=False` leaves the linear layers' outputs fp32 (ONNX Runtime's
+        QDQ quantizer otherwise rounds them to uint8 too: every residual contribution, the gate's inputs, the
+        logits)."""
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
         from onnxruntime.quantization.calibrate import save_tensors_data
 
         if not self.feeds:
             raise QuantizeError(f"{self.src.name} saw no calibration input; give more calibration texts")
-        ranges = self.calibrator.compute_data()
-        cache = self.work / f"{self.src.stem}.ranges.json"
-        save_tensors_data(ranges, cache)
+        plan = plan or self.plan
+        if self.cache is None:
+            self.cache = self.work / f"{self.src.stem}.ranges.json"
+            save_tensors_data(self.calibrator.compute_data(), self.cache)
+        cache = self.cache
         formats = {"qdq": QuantFormat.QDQ, "qoperator": QuantFormat.QOperator}
         with _quiet():
             quantize_static(
                 self.src, dst, calibration_data_reader=None, calibration_cache_path=cache,
-                quant_format=formats[fmt], op_types_to_quantize=list(self.plan.op_types), per_channel=per_channel,
+                quant_format=formats[fmt], op_types_to_quantize=list(plan.op_types), per_channel=per_channel,
                 reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                nodes_to_quantize=list(self.plan.nodes), nodes_to_exclude=list(self.plan.exclude),
+                nodes_to_quantize=list(plan.nodes), nodes_to_exclude=list(plan.exclude),
                 calibrate_method=_calibration_methods()[self.method],
-                extra_options={"MatMulConstBOnly": True, "ActivationSymmetric": False},
+                extra_options={"MatMulConstBOnly": True, "ActivationSymmetric": False,
+                               **({} if outputs else {"OpTypesToExcludeOutputQuantization": ["MatMul", "Gemm"]})},
             )
 
 

@@ -9,7 +9,7 @@ from t5compress import artifacts
 from t5compress.names import GRAPHS, ONNX_SUFFIX
 from t5compress.progress import Reporter
 
-KEEP_AUTO, KEEP_NONE = "auto", "none"
+KEEP_AUTO, KEEP_NONE, KEEP_SENSITIVE = "auto", "none", "sensitive"
 
 
 def untied(path: Path, work: Path) -> Path:

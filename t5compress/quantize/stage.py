@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from t5compress import artifacts
@@ -22,9 +22,18 @@ from t5compress.config import option as opt
 from t5compress.config import require
 from t5compress.cpu import FULL_WEIGHT_MAX, WEIGHT_RANGES, weight_max
 from t5compress.errors import ModelError, QuantizeError, first_line
-from t5compress.names import DECODER_MERGED, ENCODER, GRAPHS, ONNX_SUFFIX
+from t5compress.names import DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
-from t5compress.quantize.sources import KEEP_AUTO, drive_texts, is_gated, plan_for, smoothed, untied
+from t5compress.quantize.sources import (
+    KEEP_AUTO,
+    KEEP_NONE,
+    KEEP_SENSITIVE,
+    drive_texts,
+    is_gated,
+    plan_for,
+    smoothed,
+    untied,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +63,13 @@ class QuantizeConfig:
     op_types: tuple[str, ...] = opt(("MatMul", "Gemm"), "Op types quantized. MatMul/Gemm mean the linear layers "
                                                        "(constant weights); others are quantized wherever they occur.")
     embeddings: bool = opt(True, "Also store the token embedding (Gather) as int8.")
-    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (T5's FFN output `wo` for gated-gelu models, unless "
-                                    "smoothed), none, or comma-separated name parts, e.g. 'DenseReluDense/wo/'.")
+    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: sensitive (static: measure each layer group's sensitivity, "
+                                    "keep the fewest groups fp32 that reach --target-agreement), auto (sensitive "
+                                    "for gated-gelu models, nothing for relu ones; dynamic: gated models' FFN output "
+                                    "`wo`, unless smoothed), none, or comma-separated name parts, e.g. "
+                                    "'DenseReluDense/wo/'.")
+    target_agreement: float = opt(0.97, "Static, --keep-fp32 sensitive (auto on gated models): the next-token "
+                                        "agreement with fp32 the kept groups must reach on the calibration texts.")
     smooth_alpha: float = opt(0.0, "SmoothQuant migration strength for `wo` inputs (0 disables; 0.5 is typical): "
                                    "keeps `wo` int8 without its outliers.")
     eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side.")
@@ -82,10 +96,14 @@ class QuantizeConfig:
         require(0 <= self.smooth_alpha <= 1, "smooth_alpha", f"must be in [0, 1], got {self.smooth_alpha}")
         require(self.smooth_alpha == 0 or bool(self.calib_data), "smooth_alpha",
                 "smoothing measures activations: give --calib-data")
+        require(0 <= self.target_agreement <= 1, "target_agreement",
+                f"must be in [0, 1], got {self.target_agreement}")
         require(0 <= self.min_agreement <= 1, "min_agreement", f"must be in [0, 1], got {self.min_agreement}")
         require(self.eval_max >= 1, "eval_max", f"must be >= 1, got {self.eval_max}")
         require(self.tolerance is None or 0 <= self.tolerance < 1, "tolerance",
                 f"must be in [0, 1), e.g. 0.01 for 1%, got {self.tolerance}")
+        require(self.keep_fp32 != KEEP_SENSITIVE or (self.mode == "static" and self.tolerance is None), "keep_fp32",
+                "sensitive is measured on static int8 and replaces --tolerance's search: use --static, no --tolerance")
         require(self.tolerance is None or (self.mode == "static" and bool(self.eval_data)), "tolerance",
                 "tuning needs --static and --eval-data (the task metric it keeps within tolerance)")
 
@@ -146,11 +164,15 @@ def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, graphs: dict) -> None:
     Not after tuning: the tuning's metric was measured on the graphs as they are, and its guarantee is about those.
     """
     if cfg.embeddings and cfg.tolerance is None:
-        from t5compress.quantize.graphs import share_lm_head_table
+        from t5compress.quantize.graphs import gather_int8_rows, share_lm_head_table
 
         saved = {g: share_lm_head_table(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
         if any(saved.values()):
             graphs["tied_table_bytes_saved"] = saved
+        if cfg.mode == "static":  # an untied table: its lookup gathers int8 rows too, as the tied one does
+            rows = {g: gather_int8_rows(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
+            if any(rows.values()):
+                graphs["int8_row_lookups"] = rows
     if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
         from t5compress.export.onnx import write_merged
 
@@ -167,8 +189,7 @@ def _settings(cfg: QuantizeConfig) -> dict:
 
 def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str] | None, progress: bool) -> dict:
     """Quantize the three graphs (smoothing first on request) into `tmp`; re-merge the decoders if `src` had it."""
-    from t5compress.quantize.methods import StaticGraph, scratch_dir, write_dynamic
-    from t5compress.runtime import load_runtime
+    from t5compress.quantize.methods import scratch_dir, write_dynamic
 
     with scratch_dir(tmp.parent) as scratch:
         work = Path(scratch)
@@ -179,23 +200,61 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         if cfg.smooth_alpha > 0:
             sources, smoothing = smoothed(src, sources, cfg, texts, work, progress)
         gated = is_gated(src)
-        plans = {g: plan_for(sources[g], cfg, gated) for g in GRAPHS}
+        guided = cfg.mode == "static" and (cfg.keep_fp32 == KEEP_SENSITIVE or (cfg.keep_fp32 == KEEP_AUTO and gated))
+        plan_cfg = replace(cfg, keep_fp32=KEEP_NONE) if guided else cfg  # the sensitivity decides
+        plans = {g: plan_for(sources[g], plan_cfg, gated) for g in GRAPHS}
         feeds: dict[str, int] = {}
-        reduce = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
+        sensitivity = None
         if cfg.mode == "static":
-            calibrators = {g: StaticGraph(sources[g], plans[g], cfg.method, work, cfg.percentile) for g in GRAPHS}
-            fp32 = load_runtime(src, threads=cfg.threads)
-            feeds = drive_texts(fp32, texts, {g: [c] for g, c in calibrators.items()}, cfg, progress, "calibrating")
-            for g in GRAPHS:
-                calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce)
+            plans, feeds, sensitivity = _static(src, tmp, work, sources, plans, cfg, texts, guided, progress)
         else:
+            reduce = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
             for g in GRAPHS:
                 write_dynamic(sources[g], tmp / f"{g}{ONNX_SUFFIX}", plans[g], cfg.per_channel, reduce)
     out = {g: {"quantized_nodes": len(plans[g].nodes), "kept_fp32": list(plans[g].exclude),
                **({"calibration_feeds": feeds[g]} if feeds else {})} for g in GRAPHS}
     if smoothing:
         out["smooth_quant"] = smoothing
+    if sensitivity:
+        out["sensitivity"] = sensitivity
     return out
+
+
+def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, cfg: QuantizeConfig, texts: list[str],
+            guided: bool, progress: bool) -> tuple[dict, dict, dict | None]:
+    """Calibrate, (guided) measure each group's sensitivity and keep the fewest fp32, write the graphs into `tmp`.
+
+    Returns the plans written, the feeds each graph saw, and the sensitivity report (None unless guided)."""
+    from t5compress.progress import Reporter
+    from t5compress.quantize import sensitivity as sens
+    from t5compress.quantize.methods import StaticGraph
+    from t5compress.quantize.tune import Recorder
+    from t5compress.runtime import load_runtime
+
+    reduce = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
+    calibrators = {g: StaticGraph(sources[g], plans[g], cfg.method, work, cfg.percentile) for g in GRAPHS}
+    probe = Recorder(limit=cfg.batch_size)  # a mid-generation with-past feed, to time what the kept groups cost
+    sinks = {g: [c] for g, c in calibrators.items()}
+    sinks[DECODER_WITH_PAST].append(probe)
+    fp32 = load_runtime(src, threads=cfg.threads)
+    feeds = drive_texts(fp32, texts, sinks, cfg, progress, "calibrating")
+    report = None
+    if guided:
+        with Reporter("quantize", what="sensitivity", enabled=progress, transient=True) as bar:
+            plans, report = sens.guided(fp32, sources, plans, calibrators, cfg, texts, work,
+                                        status=lambda text: bar.update(0, what=text))
+    outputs = report is None or report["remedy"]["chosen"] == "linear outputs int8"
+    for g in GRAPHS:
+        calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g], outputs)
+    if report is not None and (report["kept"] or not outputs) and probe.feeds:
+        every = work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
+        dwp = plans[DECODER_WITH_PAST]
+        calibrators[DECODER_WITH_PAST].write(every, cfg.format, cfg.per_channel, reduce,
+                                             replace(dwp, nodes=dwp.nodes + dwp.exclude, exclude=()))
+        all_ms = sens.step_ms(every, probe.feeds[-1])
+        kept_ms = sens.step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", probe.feeds[-1])
+        report["step_ms"] = {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
+    return plans, feeds, report
 
 
 def _sizes(src: Path, out: Path) -> dict:

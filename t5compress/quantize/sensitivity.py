@@ -1,0 +1,354 @@
+"""Which layers static int8 breaks, measured, and the fewest of them to keep fp32 so that int8 keeps fp32's outputs.
+
+    report = guide(graphs, reference, target=0.97)  # the sensitivity table, the groups kept fp32, what they cost
+
+A *group* is one projection of one layer (`encoder.1 self q`, `decoder.0 cross o`, `decoder.3 wi_1`, `lm_head`,
+`embeddings`), the same nodes in every graph that holds them (the decoder and decoder-with-past share their names).
+Each group is measured alone: the fp32 graphs with only that group's nodes reading their inputs through the int8
+graph's QuantizeLinear/DequantizeLinear pairs (`mixed`: graph surgery, no new quantization), teacher-forced along
+fp32's greedy outputs on the calibration texts (`check.Reference`): next-token agreement and logit error. Encoder
+groups run the encoder variant and fp32's decoder; decoder groups reuse fp32's encoder states, so the whole table costs
+about one forward pass per group.
+
+Then the fewest groups are kept fp32, most sensitive first (lowest agreement alone, then largest logit error), found by
+doubling and bisection on the agreement of the all-but-kept int8 graphs. If even the least sensitive group alone stays
+below the target (every group breaks the model), the quantization is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from t5compress.errors import QuantizeError
+from t5compress.names import DECODER, ENCODER, ONNX_SUFFIX
+
+if TYPE_CHECKING:
+    import onnx
+
+log = logging.getLogger(__name__)
+
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+_LAYER = re.compile(
+    r"/(encoder|decoder)/block\.(\d+)/layer\.\d+/(SelfAttention|EncDecAttention|DenseReluDense)/(\w+)/")
+_KIND = {"SelfAttention": "self ", "EncDecAttention": "cross ", "DenseReluDense": ""}
+
+
+def group_of(node: str) -> str:
+    """The group label of an exported node: 'encoder.1 self q', 'decoder.0 cross o', 'decoder.3 wi_1', 'lm_head'."""
+    m = _LAYER.search(node)
+    if m:
+        stack, block, kind, proj = m.groups()
+        return f"{stack}.{block} {_KIND[kind]}{proj}"
+    if "lm_head" in node:
+        return "lm_head"
+    if "embed_tokens" in node:
+        return "embeddings"
+    return node
+
+
+def groups(nodes: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
+    """{group: {graph: [node names]}} from the quantizable nodes of each graph, in first-seen order."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for graph, names in nodes.items():
+        for n in names:
+            out.setdefault(group_of(n), {}).setdefault(graph, []).append(n)
+    return out
+
+
+def mixed(fp32: onnx.ModelProto, int8: onnx.ModelProto, names: set[str], quantizable: set[str] = frozenset(),
+          ) -> onnx.ModelProto:
+    """`fp32` in which the nodes `names` read their inputs as `int8` (a QDQ graph of it) does: through its
+    QuantizeLinear/DequantizeLinear chains, with their int8 weights and scales, and hand on their outputs through its
+    output pairs. Nodes outside `quantizable` that read those dequantized tensors in `int8` (ONNX Runtime's quantizer
+    hands them to every consumer: residual adds, reshapes, the gate product) read them here too; the rest is fp32."""
+    import onnx
+
+    from t5compress.quantize.graphs import topological
+
+    out = onnx.ModelProto()
+    out.CopyFrom(fp32)
+    graft = _Graft(out, int8)
+    for node in out.graph.node:
+        q = graft.quantized.get(node.name)
+        if node.name in names and q is not None:
+            graft.node(node, q)
+    for node in out.graph.node:  # the other readers of what was quantized
+        q = graft.quantized.get(node.name)
+        if node.name not in names and node.name not in quantizable and q is not None \
+                and len(q.input) == len(node.input) and any(t in graft.made for t in q.input):
+            for i, t in enumerate(q.input):
+                if t in graft.made:
+                    node.input[i] = t
+    nodes = topological(list(out.graph.node) + graft.added)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+class _Graft:
+    """Copies QuantizeLinear/DequantizeLinear nodes (and the constants they read) of `int8` into `out`."""
+
+    def __init__(self, out: onnx.ModelProto, int8: onnx.ModelProto):
+        self.out, self.added, self.made = out, [], set()
+        self.producers = {o: n for n in int8.graph.node for o in n.output}
+        self.readers: dict[str, list] = {}
+        for n in int8.graph.node:
+            for x in n.input:
+                self.readers.setdefault(x, []).append(n)
+        self.quantized = {n.name: n for n in int8.graph.node}
+        self.inits = {t.name: t for t in int8.graph.initializer}
+        self.have = {o for n in out.graph.node for o in n.output} | {i.name for i in out.graph.input}
+        self.have |= {t.name for t in out.graph.initializer}
+
+    def constant(self, name: str) -> None:
+        if name in self.inits and name not in self.have:
+            self.out.graph.initializer.append(self.inits[name])
+            self.have.add(name)
+
+    def take(self, p) -> None:
+        self.added.append(p)
+        self.have.update(p.output)
+        self.made.update(p.output)
+        for x in p.input:
+            self.constant(x)
+
+    def node(self, node, q) -> None:
+        """`node` of `out` reads and writes as its twin `q` of `int8` does."""
+        stack = list(q.input)  # upstream: what the node reads (quantized activation, int8 weight)
+        while stack:
+            t = stack.pop()
+            p = self.producers.get(t)
+            if p is not None and p.op_type in QDQ_OPS and t not in self.have:
+                self.take(p)
+                stack.extend(p.input)
+            elif p is None:
+                self.constant(t)
+        renamed = [o for o, qo in zip(node.output, q.output, strict=True) if o != qo]
+        if renamed:  # a graph output (logits): the quantizer renamed the node's output, its DequantizeLinear makes it
+            del node.output[:]
+            node.output.extend(q.output)
+            self.have.difference_update(renamed)
+        stack = list(q.output)  # downstream: its output's QuantizeLinear/DequantizeLinear pair, if quantized
+        while stack:
+            for r in self.readers.get(stack.pop(), []):
+                if r.op_type in QDQ_OPS and r.output[0] not in self.have:
+                    self.take(r)
+                    stack.extend(r.output)
+        del node.input[:]
+        node.input.extend(q.input)
+
+
+@dataclass
+class Variants:
+    """fp32 and all-int8 encoder and decoder graphs, and the files of their mixes (written to `work`)."""
+
+    fp32: dict[str, onnx.ModelProto]
+    int8: dict[str, onnx.ModelProto]
+    work: Path
+    quantizable: dict[str, set[str]]
+    count: int = 0
+
+    def write(self, graph: str, names: set[str]) -> Path:
+        import onnx
+
+        self.count += 1
+        dst = self.work / f"{graph}.mix{self.count}{ONNX_SUFFIX}"
+        onnx.save(mixed(self.fp32[graph], self.int8[graph], names, self.quantizable[graph]), str(dst))
+        return dst
+
+    def graphs(self, names: dict[str, set[str]], threads: int) -> dict:
+        """{graph: OnnxGraph} for the graphs with any of `names` int8 (the others: None, fp32 is used)."""
+        from t5compress.runtime.sessions import OnnxGraph
+
+        out = {}
+        for g in (ENCODER, DECODER):
+            path = self.write(g, names[g]) if names.get(g) else None
+            out[g] = OnnxGraph(path, threads) if path else None
+            if path:
+                path.unlink()  # the session holds it
+        return out
+
+
+def measure(variants: Variants, reference, names: dict[str, set[str]], threads: int) -> dict:
+    """Teacher-forced agreement and logit error with the nodes `names` ({graph: names}) int8, the rest fp32."""
+    g = variants.graphs(names, threads)
+    return reference.compare(g[ENCODER], g[DECODER])
+
+
+def guide(variants: Variants, reference, table: dict[str, dict[str, list[str]]], target: float, threads: int,
+          status=lambda text: None) -> dict:
+    """The sensitivity table, and the fewest groups (most sensitive first) to keep fp32 for agreement >= target.
+
+    Returns {"target", "all_int8", "groups": [row...], "kept": [labels], "kept_nodes": {graph: [names]},
+    "kept_check", "evaluations", "seconds"}; raises QuantizeError when every group alone breaks the target."""
+    started = time.perf_counter()
+    every = {g: {n for grp in table.values() for n in grp.get(g, [])} for g in (ENCODER, DECODER)}
+    whole = measure(variants, reference, every, threads)
+    rows = []
+    for i, (label, members) in enumerate(table.items()):
+        status(f"sensitivity {i + 1}/{len(table)}: {label}")
+        m = measure(variants, reference, {g: set(members.get(g, [])) for g in (ENCODER, DECODER)}, threads)
+        rows.append({"group": label, "nodes": sum(len(v) for v in members.values()), **_short(m)})
+    order = sorted(rows, key=lambda r: (r["next_token_agreement"], -r["mean_rel_logit_error"]))
+    report = {"target": target, "all_int8": _short(whole), "groups": rows, "kept": [], "evaluations": len(rows) + 1}
+    if whole["next_token_agreement"] < target:
+        best = order[-1]
+        if best["next_token_agreement"] < target:
+            raise QuantizeError(
+                f"every int8 group is sensitive: with only the least sensitive ({best['group']}) int8 and all else "
+                f"fp32, next-token agreement is {best['next_token_agreement']:.1%}, below the target "
+                f"{target:g} (all int8: {whole['next_token_agreement']:.1%}, {len(rows)} groups measured); "
+                f"nothing was written")
+        k, check, evals = _fewest(variants, reference, table, [r["group"] for r in order], every, target, threads,
+                                  status)
+        report.update(kept=[r["group"] for r in order[:k]], kept_check=check)
+        report["evaluations"] += evals
+    kept_nodes: dict[str, list[str]] = {}
+    for label in report["kept"]:
+        for g, names in table[label].items():
+            kept_nodes.setdefault(g, []).extend(names)
+    report["kept_nodes"] = kept_nodes
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+def _fewest(variants: Variants, reference, table: dict, order: list[str], every: dict[str, set[str]], target: float,
+            threads: int, status) -> tuple[int, dict, int]:
+    """The smallest k such that keeping order[:k] fp32 reaches `target` (doubling, then bisection), its measurement,
+    and the number of evaluations. k = len(order) - 1 at most (the least sensitive group alone passed)."""
+    cache: dict[int, dict] = {}
+
+    def agree(k: int) -> dict:
+        if k not in cache:
+            kept = {g: {n for label in order[:k] for n in table[label].get(g, [])} for g in every}
+            status(f"keeping the {k} most sensitive group(s) fp32")
+            cache[k] = measure(variants, reference, {g: every[g] - kept[g] for g in every}, threads)
+        return cache[k]
+
+    top = len(order) - 1
+    lo, hi = 0, 1  # agree(lo) fails (all int8), agree(hi) unknown
+    while hi < top and agree(hi)["next_token_agreement"] < target:
+        lo, hi = hi, min(hi * 2, top)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if agree(mid)["next_token_agreement"] >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi, _short(agree(hi)), len(cache)
+
+
+def _short(m: dict) -> dict:
+    return {k: m[k] for k in ("next_token_agreement", "mean_rel_logit_error", "max_rel_logit_error")}
+
+
+CHECK_TEXTS = 64  # the texts the stage's own check reads: the sensitivity is measured on the same ones
+
+
+def guided(fp32_runtime, sources: dict[str, Path], plans: dict, calibrators: dict, cfg, texts: list[str], work: Path,
+           status=lambda text: None) -> tuple[dict, dict]:
+    """Measure every group's sensitivity on the calibrated graphs and keep the fewest fp32 for cfg.target_agreement.
+
+    `plans` quantize everything; returns the plans with the kept groups excluded, and the `sensitivity` report."""
+    from t5compress.quantize.check import Reference
+    from t5compress.quantize.methods import Plan
+    from t5compress.runtime.sessions import load_onnx
+
+    measured = (ENCODER, DECODER)
+    status("sensitivity: fp32 reference outputs")
+    reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens)
+    outputs, remedy = _outputs_remedy(calibrators, cfg, reference, work)
+    int8 = {g: work / f"{g}.all-int8{'' if outputs else '.fp32-outputs'}{ONNX_SUFFIX}" for g in measured}
+    variants = Variants({g: load_onnx(str(sources[g])) for g in measured},
+                        {g: load_onnx(str(int8[g])) for g in measured}, work,
+                        {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured})
+    table = groups({g: list(p.nodes) for g, p in plans.items()})
+    report = guide(variants, reference, table, cfg.target_agreement, cfg.threads, status)
+    report["remedy"] = remedy
+    kept = {g: set(report["kept_nodes"].get(g, [])) for g in plans}
+    out = {g: Plan(tuple(n for n in p.nodes if n not in kept[g]), tuple(p.exclude) + tuple(sorted(kept[g])),
+                   p.op_types) for g, p in plans.items()}
+    report["kept_fp32_bytes"] = sum(_weight_bytes(sources[g], kept[g]) for g in plans) * 3 // 4  # fp32 - int8
+    return out, report
+
+
+def _outputs_remedy(calibrators: dict, cfg, reference, work: Path) -> tuple[bool, dict]:
+    """The first remedy, tried before any group is kept fp32: the linear layers' outputs left fp32 (int8 weights
+    and inputs, as dynamic int8 has them). Writes both all-int8 encoder/decoder pairs into `work` (QDQ: the mixes
+    are cut from them); returns whether outputs stay int8 (the better of the two) and both measurements."""
+    from t5compress.runtime.sessions import OnnxGraph
+
+    got = {}
+    for outputs, tag in ((True, ""), (False, ".fp32-outputs")):
+        paths = {g: work / f"{g}.all-int8{tag}{ONNX_SUFFIX}" for g in (ENCODER, DECODER)}
+        for g, path in paths.items():
+            calibrators[g].write(path, "qdq", cfg.per_channel, _reduced(cfg), outputs=outputs)
+        got[outputs] = _short(reference.compare(*(OnnxGraph(paths[g], cfg.threads) for g in (ENCODER, DECODER))))
+    int8_outputs = got[False]["next_token_agreement"] <= got[True]["next_token_agreement"]
+    return int8_outputs, {"linear_outputs_int8": got[True], "linear_outputs_fp32": got[False],
+                    "chosen": "linear outputs int8" if int8_outputs else "linear outputs fp32"}
+
+
+def _reduced(cfg) -> bool:
+    from t5compress.cpu import FULL_WEIGHT_MAX, weight_max
+
+    return weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
+
+
+def _weight_bytes(path: Path, names: set[str]) -> int:
+    """fp32 bytes of the constant weights the nodes `names` read."""
+    import numpy as np
+
+    from t5compress.runtime.sessions import load_onnx
+
+    if not names:
+        return 0
+    model = load_onnx(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    weights = {x for n in model.graph.node if n.name in names for x in n.input if x in inits}
+    return sum(int(np.prod(inits[w].dims)) * 4 for w in weights)
+
+
+def step_ms(path: Path, feed: dict, threads: int = 1, repeats: int = 30) -> float:
+    """Median ms of one run of the graph at `path` on `feed` (after two warm-up runs)."""
+    import numpy as np
+
+    from t5compress.runtime.sessions import OnnxGraph
+
+    graph = OnnxGraph(path, threads)
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        graph.run(feed)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return round(float(np.median(times)) * 1000, 3)
+
+
+def ranked(report: dict) -> list[dict]:
+    """The sensitivity rows, most sensitive first, each with `kept` (whether the group stayed fp32)."""
+    kept = set(report.get("kept", []))
+    rows = sorted(report["groups"], key=lambda r: (r["next_token_agreement"], -r["mean_rel_logit_error"]))
+    return [{**r, "kept": r["group"] in kept} for r in rows]
+
+
+def summary(report: dict) -> str:
+    """One line: all-int8 agreement, what was kept fp32 and what that cost (size, with-past step time)."""
+    whole = report["all_int8"]["next_token_agreement"]
+    head = (f"sensitivity of {len(report['groups'])} layer groups ({report['seconds']:.1f} s): all int8 picks fp32's "
+            f"next token at {whole:.2%}, target {report['target']:.1%}")
+    remedy = report.get("remedy", {}).get("chosen")
+    if remedy == "linear outputs fp32":
+        fixed = report["remedy"]["linear_outputs_fp32"]["next_token_agreement"]
+        head += f" with the linear layers' outputs int8, {fixed:.2%} with them fp32 (kept so)"
+    if not report["kept"]:
+        return head + "; nothing kept fp32"
+    step = report.get("step_ms")
+    speed = f", decoder step {step['ratio']:.2f}x the all-int8 one" if step else ""
+    return (head + f"; kept fp32: {', '.join(report['kept'])} (+{report['kept_fp32_bytes'] / 1e6:.2f} MB{speed}) "
+            f"-> {report['kept_check']['next_token_agreement']:.2%}")
