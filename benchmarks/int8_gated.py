@@ -84,9 +84,9 @@ def build_flan_small(work: Path, texts: int) -> None:
 
 
 VARIANTS = {  # name: (what, QuantizeConfig fields)
-    "before": ("static, the old default (gated: every wo kept fp32)", {"keep_fp32": "DenseReluDense/wo/"}),
+    "before": ("static, the default (gated: every wo kept fp32)", {"keep_fp32": "DenseReluDense/wo/"}),
     "all-int8": ("static, every group int8", {"keep_fp32": "none"}),
-    "after": ("static, the new default (sensitivity-guided)", {}),
+    "after": ("static, --keep-fp32 sensitive (sensitivity-guided)", {"keep_fp32": "sensitive"}),
     "dynamic": ("dynamic (gated: wo kept fp32)", {"mode": "dynamic"}),
 }
 

@@ -36,7 +36,8 @@ def gated_export(tiny_gated_dir, tmp_path_factory) -> Path:
 def guided(gated_export, demo_jsonl, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("guided") / "int8"
     # random weights: flat logits flip near-ties, so the safety floor is lowered; the target is the default's
-    return run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5), out,
+    return run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
+                                            keep_fp32="sensitive"), out,
                progress=False) | {"out": out}
 
 
@@ -71,7 +72,7 @@ def test_mixed_graph_is_fp32_with_no_node_and_the_int8_graph_with_all(gated_expo
     assert 0 < np.abs(one - ref).max() < np.abs(q - ref).max()
 
 
-def test_gated_default_measures_every_group_and_keeps_the_most_sensitive_fp32(guided):
+def test_sensitive_measures_every_group_and_keeps_the_most_sensitive_fp32(guided):
     s = guided["graphs"]["sensitivity"]
     assert len(s["groups"]) == GROUPS
     assert {r["group"] for r in s["groups"]} >= {"encoder.0 wi_0", "decoder.1 cross k", "lm_head", "embeddings"}
@@ -145,7 +146,7 @@ def test_every_group_sensitive_is_one_line_and_writes_nothing(tiny_gated_dir, de
     from t5compress.export import run as export
 
     export(_outliers_everywhere(tiny_gated_dir, tmp_path / "model"), ExportConfig(), tmp_path / "onnx")
-    cfg = QuantizeConfig(calib_data=str(demo_jsonl), samples=16, min_agreement=0)
+    cfg = QuantizeConfig(calib_data=str(demo_jsonl), samples=16, min_agreement=0, keep_fp32="sensitive")
     with pytest.raises(QuantizeError, match=r"every int8 group is sensitive: with only the least sensitive \(.*\) "
                                             r"int8 and all else fp32, next-token agreement is [0-9.]+%, below the "
                                             r"target 0.97 \(all int8: [0-9.]+%, 38 groups measured\); nothing"):
@@ -158,7 +159,8 @@ def test_every_group_sensitive_is_one_line_and_writes_nothing(tiny_gated_dir, de
 def test_cli_prints_the_sensitivity_and_info_shows_the_table(gated_export, demo_jsonl, tmp_path):
     out = tmp_path / "q"
     res = runner.invoke(app, ["quantize", str(gated_export), str(out), "--calib-data", str(demo_jsonl),
-                              "--samples", "16", "--min-agreement", "0.5"], env={"COLUMNS": "200"})
+                              "--samples", "16", "--min-agreement", "0.5", "--keep-fp32", "sensitive"],
+                        env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert f"sensitivity of {GROUPS} layer groups" in res.output and "most sensitive alone" in res.output
     res = runner.invoke(app, ["info", str(out)], env={"COLUMNS": "200"})
