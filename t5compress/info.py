@@ -195,7 +195,8 @@ def render(data: dict[str, Any], console) -> None:
     for k, v in _metric_rows(data["report"]):
         t.add_row(k, v)
     console.print(t)
-    sens = ((data["report"] or {}).get("graphs") or {}).get("sensitivity")
+    graphs = (data["report"] or {}).get("graphs")  # quantize: a dict per graph; export: the graph names
+    sens = graphs.get("sensitivity") if isinstance(graphs, dict) else None
     if sens:
         console.print(_sensitivity_table(sens))
 
