@@ -104,12 +104,7 @@ def share_lm_head_table(path: Path) -> int:
     table (a DequantizeLinear of the full matrix feeding the Gather made every t5-small decoder step ~6x slower).
     """
     model = load_onnx(str(path))
-    inits = {t.name: t for t in model.graph.initializer}
-    producers = {o: n for n in model.graph.node for o in n.output}
-    users: dict[str, int] = {}
-    for n in model.graph.node:
-        for x in n.input:
-            users[x] = users.get(x, 0) + 1
+    inits, producers, users = graph_index(model)
     saved, dead = 0, set()
     for node in list(model.graph.node):
         if node.op_type != "Gather" or EMBEDDING not in node.name:
@@ -199,6 +194,17 @@ def topological(nodes: list) -> list:
     return order
 
 
+def graph_index(model) -> tuple[dict, dict, dict[str, int]]:
+    """(initializers by name, the node producing each tensor, how many node inputs read each tensor)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    users: dict[str, int] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            users[x] = users.get(x, 0) + 1
+    return inits, producers, users
+
+
 def gather_int8_rows(path: Path) -> int:
     """In a static int8 graph, make each untied embedding lookup gather int8 rows instead of dequantizing its table.
 
@@ -209,12 +215,7 @@ def gather_int8_rows(path: Path) -> int:
     from onnx import TensorProto, helper, numpy_helper
 
     model = load_onnx(str(path))
-    inits = {t.name: t for t in model.graph.initializer}
-    producers = {o: n for n in model.graph.node for o in n.output}
-    users: dict[str, int] = {}
-    for n in model.graph.node:
-        for x in n.input:
-            users[x] = users.get(x, 0) + 1
+    inits, producers, users = graph_index(model)
     dead = set()
     for node in list(model.graph.node):
         dq = producers.get(node.input[0]) if node.op_type == "Gather" and EMBEDDING in node.name else None
