@@ -82,7 +82,11 @@ def test_onnxruntime_repository_configs_parse_and_name_the_right_files_and_tenso
             assert types["past_key_values.1.encoder.value"] == (11, [4, -1, 8])  # TYPE_FP32 (heads, enc_len, d_kv)
             assert types["logits"] == (11, [-1, 384])  # (len, vocab)
     bls = models["t5"]
-    assert bls.backend == "python" and bls.max_batch_size == 8
+    # Declared past any request so that Triton hands an oversized one to the model; the real limit is a parameter.
+    assert bls.backend == "python" and bls.max_batch_size == 2**31 - 1
+    assert report["models"]["t5"]["max_batch_size"] == 8  # what a request may hold
+    assert bls.parameters["max_batch_texts"].string_value == "8"
+    assert list(bls.dynamic_batching.preferred_batch_size) == [8]
     assert [i.name for i in bls.input][:2] == ["TEXT", "max_new_tokens"]
     assert [i.optional for i in bls.input].count(True) == len(bls.input) - 1
     assert [o.name for o in bls.output] == ["OUTPUT_TEXT", "OUTPUT_IDS", "INPUT_TOKENS", "TRUNCATED"]
@@ -111,6 +115,22 @@ def test_gpu_and_portable_flavours(export_dir, tmp_path):
     assert [i.name for i in leaf.input] == [i.name for i in gpu["m_encoder"].input]
 
 
+def test_the_text_model_generates_a_long_queues_batch_max_batch_texts_at_a_time(monkeypatch):
+    """The dynamic batcher may hand the text model more texts than the limit at once (its declared max_batch_size is
+    larger): they are generated in runs of whole requests, each within the limit."""
+    import importlib.util
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace())  # the stub's module
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the model file puts its own folder first
+    spec = importlib.util.spec_from_file_location("t5_bls_under_test", ROOT / "triton_models" / "t5_bls.py")
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    members = [(0, ["a"] * 3), (1, ["b"] * 3), (2, ["c"] * 2), (3, ["d"] * 8), (4, ["e"]), (5, ["f"] * 7)]
+    assert [[i for i, _ in run] for run in model.batches_within(members, 8)] == [[0, 1, 2], [3], [4, 5]]
+    assert model.batches_within([], 8) == []
+
+
 def test_schema_and_checks_refuse_bad_configs():
     good = {"name": "x", "backend": "python", "max_batch_size": 1, "input": [pbtxt.tensor("A", "TYPE_STRING", [1])],
             "output": [pbtxt.tensor("B", "TYPE_FP32", [-1])]}
@@ -125,6 +145,8 @@ def test_schema_and_checks_refuse_bad_configs():
         pbtxt.build({**good, "output": [pbtxt.tensor("A", "TYPE_FP32", [1])]})
     with pytest.raises(ConfigError, match="max_batch_size"):
         pbtxt.build({**good, "max_batch_size": 0, "dynamic_batching": {}})
+    with pytest.raises(ConfigError, match="preferred"):
+        pbtxt.build({**good, "dynamic_batching": {"preferred_batch_size": [2]}})
     with pytest.raises(ConfigError, match="name"):
         TritonConfig(name="a/b")
     with pytest.raises(ConfigError, match="instance kind"):
@@ -363,6 +385,53 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, local):
     assert result.as_numpy("INPUT_TOKENS").reshape(-1).tolist() == [len(long.encode()) + 1, 2]
     want_long = local.decode(local.generate(*local.encode([long], max_input_tokens=40)))
     assert [t.decode() for t in result.as_numpy("OUTPUT_TEXT")[0]] == want_long
+    client.close()
+
+
+@pytest.mark.slow
+def test_a_request_over_the_max_batch_size_fails_alone_says_why_and_logs_one_line(server, local):
+    """Triton's own batch-size check refused it before the model saw it, and logged nothing. Requests queued with it
+    (together more texts than the limit, which may reach the model in one batch: it generates them 8 at a time) and
+    the one running get right answers."""
+    import tritonclient.http as http
+
+    from t5compress.triton.client import ClientError, infer
+
+    long = dict(max_new_tokens=400, min_new_tokens=400)
+    cases = [(TEXTS[:1], long)] + [(TEXTS[k:k + 3], dict(max_new_tokens=8)) for k in range(0, 8, 2)]  # 1 + 4 x 3
+    results, failures = {}, []
+
+    def client_loop(k: int) -> None:
+        client = http.InferenceServerClient(server.http_url)
+        try:
+            results[k] = infer(client, "http", "t5", cases[k][0], **cases[k][1])
+        except Exception as e:  # collected: an assert in a thread would not fail the test
+            failures.append(repr(e))
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(len(cases))]
+    threads[0].start()
+    time.sleep(0.05)  # the long one first: the others queue behind it and reach the model together
+    for t in threads[1:]:
+        t.start()
+    client = http.InferenceServerClient(server.http_url)
+    with pytest.raises(ClientError) as err:
+        infer(client, "http", "t5", TEXTS + ["one more"])  # 9 texts, the limit is 8
+    message = str(err.value)
+    assert "at most 8 texts" in message and "holds 9" in message and "--max-batch-size" in message, message
+    for t in threads:
+        t.join(120)
+    assert not failures, failures[:3]
+    for k, (texts, settings) in enumerate(cases):
+        assert results[k] == [[t] for t in local.generate_text(texts, **settings)], (k, settings)
+    lines: list[str] = []
+    deadline = time.monotonic() + 10
+    while not lines and time.monotonic() < deadline:  # the stub's log lines reach the server log a little later
+        time.sleep(0.1)
+        lines = [ln for ln in server.log_path.read_text(errors="replace").splitlines() if "holds 9" in ln]
+    assert len(lines) == 1 and "at most 8 texts" in lines[0], lines
+    assert infer(client, "http", "t5", ["q"]) == [local.generate_text(["q"])]
     client.close()
 
 

@@ -7,7 +7,11 @@ onnxruntime and `tokenizers` only (no t5compress install). The same file serves 
 models it calls are ONNX Runtime backend models, or python models running ONNX Runtime (`--portable`).
 
 Requests that arrive together (dynamic batching) are generated together: one encoder call and one decoder call per
-step for all of them, grouped by their generation settings.
+step for all of them, grouped by their generation settings, at most `max_batch_texts` texts at a time. The config
+declares a far larger max_batch_size (see `t5compress.triton.repository.DECLARED_MAX_BATCH`) so that a request
+holding more than `max_batch_texts` texts reaches this model, which refuses it with an error naming both sizes and
+logs one line (Triton's own check would refuse it unlogged); the same declaration lets the dynamic batcher hand over
+more than `max_batch_texts` texts at once when a queue has built up, and those are generated in turns.
 
 Decoupled (`t5compress triton --inflight`): `execute` hands each request to a `runtime.scheduler.Scheduler` and
 returns at once; the scheduler's thread answers through the request's response sender. On an export with the
@@ -58,6 +62,10 @@ _ON_CPU = ({"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_M
            if hasattr(pb_utils, "PreferredMemory") else {})
 
 
+class TooManyTexts(ValueError):
+    """A request holding more texts than the model's real max batch size."""
+
+
 def _text(v) -> str:
     return v.decode("utf-8") if isinstance(v, bytes) else str(v)
 
@@ -97,6 +105,9 @@ class TritonPythonModel:
             tokens, defaults = read_generation_defaults(here)
             self.runtime = Seq2SeqRuntime(here, backend, tokens, defaults)
         self.runtime.tokenizer  # noqa: B018 -- load it now: a broken tokenizer fails the model load, not a request
+        self.name = config["name"]
+        # BATCH_PARAM of t5compress.triton.repository; the declared max_batch_size in a repository written before it
+        self.max_batch = int(params.get("max_batch_texts", config.get("max_batch_size", 8)))
         self.max_beams = int(params.get("max_beams", "4"))
         self.max_new_tokens = int(params.get("max_new_tokens", "512"))
         limit = int(params.get("max_input_tokens", "-1"))  # -1: the export's own limit (tokenizer_config.json)
@@ -124,22 +135,29 @@ class TritonPythonModel:
             try:
                 texts, settings = self._parse(request)
             except Exception as e:  # noqa: BLE001 -- one bad request gets its error; the others in the batch go on
+                if isinstance(e, TooManyTexts):  # Triton's own check used to refuse it, unlogged: say it here
+                    pb_utils.Logger.log_warn(f"request {request.request_id() or '-'}: {_line(e)}")
                 responses[i] = _error(e)
                 continue
             groups.setdefault(tuple(sorted(settings.items())), []).append((i, texts))
         for key, members in groups.items():
-            try:
-                outputs = self._generate([t for _, texts in members for t in texts], dict(key))
-            except Exception as e:  # noqa: BLE001 -- a failed group fails its own requests only
-                for i, _ in members:
-                    responses[i] = _error(e)
-                continue
-            start = 0
-            for i, texts in members:
-                strings, ids, lengths, cut = (o[start:start + len(texts)] for o in outputs)
-                responses[i] = _response(strings, crop(np.stack(ids), self.runtime.tokens.eos), lengths, cut)
-                start += len(texts)
+            for batch in batches_within(members, self.max_batch):  # a long queue's batch: max_batch texts at a time
+                self._answer(batch, dict(key), responses)
         return responses
+
+    def _answer(self, members: list[tuple[int, list[str]]], settings: dict, responses: list) -> None:
+        """Generate the texts of `members` (request index, its texts) together; fill in their responses."""
+        try:
+            outputs = self._generate([t for _, texts in members for t in texts], settings)
+        except Exception as e:  # noqa: BLE001 -- a failed group fails its own requests only
+            for i, _ in members:
+                responses[i] = _error(e)
+            return
+        start = 0
+        for i, texts in members:
+            strings, ids, lengths, cut = (o[start:start + len(texts)] for o in outputs)
+            responses[i] = _response(strings, crop(np.stack(ids), self.runtime.tokens.eos), lengths, cut)
+            start += len(texts)
 
     def _submit(self, request) -> None:
         """Decoupled: queue the request with the scheduler, or answer its error now."""
@@ -158,6 +176,11 @@ class TritonPythonModel:
         if tensor is None:  # Triton passes a request without its one required input to the model
             raise ValueError(f"input {TEXT} is missing: send the text to generate from as {TEXT} (BYTES, [batch, 1])")
         raw = tensor.as_numpy()  # (batch, 1) bytes
+        if raw.shape[0] > self.max_batch:
+            raise TooManyTexts(
+                f"{self.name}: a request may hold at most {self.max_batch} texts (max batch size), this one holds "
+                f"{raw.shape[0]}: split it into requests of at most {self.max_batch}, or write the repository again "
+                "with a larger `t5compress triton --max-batch-size`")
         texts = [_text(v) for v in raw.reshape(-1)]
         if any(not t.strip() for t in texts):
             raise ValueError(f"{TEXT} is empty: send the text to generate from")
@@ -186,6 +209,20 @@ class TritonPythonModel:
         decoded = self.runtime.decode(out)
         return ([decoded[k * n:(k + 1) * n] for k in range(len(texts))],
                 [out[k * n:(k + 1) * n] for k in range(len(texts))], list(enc.lengths), list(enc.truncated))
+
+
+def batches_within(members: list[tuple[int, list[str]]], limit: int) -> list[list[tuple[int, list[str]]]]:
+    """Consecutive runs of `members` (request index, its texts) holding at most `limit` texts each (no member holds
+    more: `_parse` refuses it)."""
+    out: list[list[tuple[int, list[str]]]] = []
+    count = 0
+    for member in members:
+        if not out or count + len(member[1]) > limit:
+            out.append([])
+            count = 0
+        out[-1].append(member)
+        count += len(member[1])
+    return out
 
 
 def _response(texts: list[list[str]], ids: np.ndarray, lengths: list[int], cut: list[bool]):

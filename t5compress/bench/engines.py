@@ -129,13 +129,17 @@ def load_triton(path: Path, threads: int, settings: dict) -> Generate:
     with the generation settings as inputs; its OUTPUT_IDS are the new tokens. `threads` is the server's business."""
     from t5compress.runtime.text import load_text_tokenizer
     from t5compress.triton.client import connect, inputs
+    from t5compress.triton.repository import BATCH_PARAM
 
     tok = load_text_tokenizer(Path(settings["tokenizer"]))
     protocol, model = settings["protocol"], settings["model"]
     client = connect(settings["host"], protocol)
     eos = _eos(settings)
     config = client.get_model_config(model, **({"as_json": True} if protocol == "grpc" else {}))
-    most = int((config.get("config", config)).get("max_batch_size") or 1)  # a larger batch is split into requests
+    config = config.get("config", config)
+    # The text model's real limit is a parameter (its declared max_batch_size lets an oversized request reach it).
+    limit = config.get("parameters", {}).get(BATCH_PARAM, {}).get("string_value")
+    most = int(limit or config.get("max_batch_size") or 1)  # a larger batch is split into requests
 
     def generate(ids, mask, max_new, min_new, beams):
         texts = tok.decode([row[m.astype(bool)].tolist() for row, m in zip(ids, mask, strict=True)])

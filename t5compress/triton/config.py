@@ -98,6 +98,8 @@ def check(message) -> None:
                 raise ConfigError(f"{where}: {kind} {t.name!r} dims {list(t.dims)} must be positive or -1")
     if message.HasField("dynamic_batching") and message.max_batch_size < 1:
         raise ConfigError(f"{where}: dynamic batching needs max_batch_size >= 1")
+    if any(not 1 <= size <= message.max_batch_size for size in message.dynamic_batching.preferred_batch_size):
+        raise ConfigError(f"{where}: preferred batch sizes must be within 1..max_batch_size")
     for group in message.instance_group:
         if group.count < 1:
             raise ConfigError(f"{where}: an instance group needs count >= 1")

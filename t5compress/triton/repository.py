@@ -35,6 +35,13 @@ RUNTIME_FILES = ("__init__.py", "errors.py", "names.py", "textio.py", "runtime")
 # Export-dir files the BLS model reads (tokenizer, special ids and generation defaults, graph tensor names).
 NOT_COPIED = {"report.json", "t5compress.json"}
 
+# The text model's declared max_batch_size: past any request a client can send, so that Triton passes a request
+# bigger than the real limit to the model (which refuses it with a message naming both sizes and logs one line)
+# instead of refusing it itself before the model sees it (nothing logged). The real limit travels as the parameter
+# BATCH_PARAM; the dynamic batcher is steered to batches of that size (preferred_batch_size), and a larger batch it
+# forms from a long queue is generated that many texts at a time.
+DECLARED_MAX_BATCH = 2**31 - 1
+BATCH_PARAM = "max_batch_texts"
 STREAM_INPUT = "stream"  # decoupled text model: BOOL [1], true for a response per decoder step (greedy requests)
 # Request inputs of the BLS model besides TEXT: GenerationSettings fields (see triton_models/t5_bls.py).
 GENERATION_INPUTS = {
@@ -128,6 +135,12 @@ def text_model(export: Path, name: str, instances: int, threads: int, max_batch:
     return _text(export, name, instances, max_batch, queue_delay_us, params, graphs, decoupled)
 
 
+def batch_limit(config) -> int:
+    """The texts a request may hold: the text model's BATCH_PARAM (see DECLARED_MAX_BATCH), else max_batch_size."""
+    param = config.parameters.get(BATCH_PARAM)
+    return int(param.string_value) if param is not None else config.max_batch_size
+
+
 def has_inflight_layout(export: Path) -> bool:
     """Whether the export's graphs.json lists the in-flight decoder_with_past_model input (export --inflight)."""
     try:
@@ -144,14 +157,14 @@ def _text(export: Path, name: str, instances: int, max_batch: int, queue_delay_u
     if decoupled:
         inputs.append(pbtxt.tensor(STREAM_INPUT, "TYPE_BOOL", [1], optional=True))
     cfg = {
-        "name": name, "backend": "python", "max_batch_size": max_batch, "input": inputs,
+        "name": name, "backend": "python", "max_batch_size": DECLARED_MAX_BATCH, "input": inputs,
         "output": [pbtxt.tensor("OUTPUT_TEXT", "TYPE_STRING", [-1]),  # (batch, num_return_sequences)
                    pbtxt.tensor("OUTPUT_IDS", "TYPE_INT64", [-1, -1]),  # (batch, num_return_sequences, len)
                    pbtxt.tensor("INPUT_TOKENS", "TYPE_INT64", [1]),  # (batch, 1): tokens before truncation
                    pbtxt.tensor("TRUNCATED", "TYPE_BOOL", [1])],  # (batch, 1): cut to max_input_tokens
-        "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
+        "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us, "preferred_batch_size": [max_batch]},
         "instance_group": pbtxt.instance_group("cpu", instances),  # tokenizer and search: CPU work in any case
-        "parameters": pbtxt.parameters(params),
+        "parameters": pbtxt.parameters({**params, BATCH_PARAM: str(max_batch)}),
         **({"model_transaction_policy": {"decoupled": True}} if decoupled else {}),
     }
     files = {f.name: f for f in sorted(export.iterdir())

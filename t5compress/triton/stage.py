@@ -43,7 +43,8 @@ class TritonConfig:
                                   "model).")
     portable: bool = option(False, help="Leaf models as python models running ONNX Runtime (no ONNX Runtime backend; "
                                         "implies --leaves).")
-    max_batch_size: int = option(8, help="Requests the text model generates together (dynamic batching).")
+    max_batch_size: int = option(8, help="Texts the text model generates together (dynamic batching), and the most "
+                                         "one request may hold (a bigger one gets an error naming both sizes).")
     max_beams: int = option(4, help="Largest num_beams a request may ask for (sizes the leaf models' batches).")
     max_new_tokens: int = option(512, help="Largest max_new_tokens a request may ask for.")
     max_input_tokens: int = option(-1, help="Longer request texts are truncated to this many tokens and the response "
@@ -137,7 +138,7 @@ def _describe(model: repository.ModelPlan) -> dict:
     c = model.config
     return {
         "backend": c.backend or c.platform,
-        "max_batch_size": c.max_batch_size,
+        "max_batch_size": repository.batch_limit(c),  # what a request may hold, not the declared value
         "instances": [f"{g.count} x {pbtxt.KINDS_BY_VALUE[g.kind]}" for g in c.instance_group],
         "inputs": [i.name for i in c.input],
         "outputs": len(c.output),
