@@ -127,13 +127,29 @@ def engines(model_dir: Path, exports: dict, device: str) -> dict:
                                                        num_beams=beams)[:, 1:]
 
     found = {"ours fp32": ours(exports["fp32"]["dir"]), "ours fp16": ours(exports["fp16"]["dir"]),
-             "ours fp16 io-binding": ours(exports["fp16"]["dir"], io_binding=True)}
+             "ours fp16 io-binding": ours(exports["fp16"]["dir"], io_binding=True),
+             "ours fp16 io-binding, beams ranked on the host": host_ranked(ours(exports["fp16"]["dir"], True))}
     found.update(pytorch_engines(model_dir, device))
     try:
         found["CTranslate2"] = ctranslate2_engine(model_dir, device)
     except ImportError:
         pass
     return found
+
+
+def host_ranked(generate):
+    """`generate` with beam search's candidates ranked by numpy on the host (the logits copied back each step), as
+    before the device-side ranking: the paired comparison for it. Greedy is the same either way."""
+    from t5compress.runtime.binding import BoundDecoder
+
+    def call(ids, mask, n, beams):
+        saved = BoundDecoder.step_top
+        BoundDecoder.step_top = None  # beam_search then takes the host path
+        try:
+            return generate(ids, mask, n, beams)
+        finally:
+            BoundDecoder.step_top = saved
+    return call
 
 
 def pytorch_engines(model_dir: Path, device: str) -> dict:

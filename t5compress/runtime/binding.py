@@ -3,10 +3,12 @@
 `CachedDecoder` hands numpy arrays to every step, so on CUDA the whole self- and cross-attention cache would go to
 the GPU and back each step. Here each graph runs with an `IOBinding`: the cache outputs stay where the session put
 them (`bind_output` on the device) and are bound as the next step's inputs; only the new tokens and the mask go in
-from the host and only the last position's logits come back (the search runs on the host: the logits are what it
-chooses from). Beam expansion, reordering and dropping rows gather cache rows on the device with a one-node Gather
-graph (held as bytes: the runtime does not import the onnx package; tests rebuild it and compare). On the CPU it
-gives the same tokens as `CachedDecoder` (tested); the cross-attention cache is expanded for beams like there.
+from the host and only the last position's logits come back to greedy search. Beam search's step keeps the logits
+on the device too: a small graph there (`BEAM_TOP_ONNX`: log-softmax, banned tokens, + beam scores, top 2k over
+beams x vocab) sends back only the 2k candidates per input, not (batch*beams, vocab) scores for numpy to rank.
+Beam expansion, reordering and dropping rows gather cache rows on the device with a one-node Gather graph. Both
+graphs are held as bytes (the runtime does not import the onnx package; tests rebuild them and compare). On the CPU
+it gives the same tokens as `CachedDecoder` (tested); the cross-attention cache is expanded for beams like there.
 """
 
 from __future__ import annotations
@@ -30,26 +32,55 @@ GATHER_ONNX = {
         "0a061204645f6b7642040a00100d"),
 }
 _ELEMENT = {"tensor(float)": "float32", "tensor(float16)": "float16"}
+# Beam search's candidates, opset 13: logits float32 (rows, len, vocab), scores float32 (batch, beams), bias float32
+# (1, vocab) (0, or -inf for a banned token), k int64 [1] -> values float32 (batch, k), indices int64 (batch, k) into
+# beams x vocab: TopK(Reshape(LogSoftmax(logits[:, -1]) + bias, (batch, beams, vocab)) + scores[..., None]).
+BEAM_TOP_ONNX = bytes.fromhex(
+    "0808120a7435636f6d70726573733a83070a3612066c6173745f692208436f6e7374616e742a220a0576616c75652a1610073a0affff"
+    "ffffffffffffff0142066c6173745f69a001040a3812066d696e7573312208436f6e7374616e742a240a0576616c75652a1808011007"
+    "3a0affffffffffffffffff0142066d696e757331a001040a2d120561786573322208436f6e7374616e742a1a0a0576616c75652a0e08"
+    "0110073a010242056178657332a001040a2d12057a65726f312208436f6e7374616e742a1a0a0576616c75652a0e080110073a010042"
+    "057a65726f31a001040a2b12046f6e65312208436f6e7374616e742a190a0576616c75652a0d080110073a010142046f6e6531a00104"
+    "0a2b0a066c6f676974730a066c6173745f6912046c61737422064761746865722a0b0a04617869731801a001020a2e0a046c61737412"
+    "046c6f6770220a4c6f67536f66746d61782a140a046178697318ffffffffffffffffff01a001020a190a046c6f67700a046269617312"
+    "0662696173656422034164640a130a0673636f72657312026273220553686170650a250a0262730a066d696e75733112027333220643"
+    "6f6e6361742a0b0a04617869731800a001020a190a066269617365640a027333120272332207526573686170650a1e0a0673636f7265"
+    "730a056178657332120273752209556e73717565657a650a140a0272330a0273751205746f74616c22034164640a1c0a0262730a057a"
+    "65726f310a046f6e6531120262312205536c6963650a250a0262310a066d696e757331120273322206436f6e6361742a0b0a04617869"
+    "731800a001020a1a0a05746f74616c0a0273321204666c61742207526573686170650a550a04666c61740a016b120676616c75657312"
+    "07696e64696365732204546f704b2a140a046178697318ffffffffffffffffff01a001022a0e0a076c6172676573741801a001022a0d"
+    "0a06736f727465641801a0010212086265616d5f746f705a280a066c6f67697473121e0a1c080112180a061204726f77730a0512036c"
+    "656e0a071205766f6361625a220a0673636f72657312180a16080112120a07120562617463680a0712056265616d735a1b0a04626961"
+    "7312130a110801120d0a0208010a071205766f6361625a0f0a016b120a0a08080712040a020801621f0a0676616c75657312150a1308"
+    "01120f0a07120562617463680a0412026b3262200a07696e646963657312150a130807120f0a07120562617463680a0412026b324204"
+    "0a00100d")
 
 
 def _past(name: str) -> str:
     return name.replace("present.", "past_key_values.", 1)
 
 
-class RowGather:
-    """Rows of device-resident cache tensors picked by index, on the device (one Gather session per dtype)."""
+def _small_session(model: bytes, providers: list):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = 1, 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.log_severity_level = 3
+    return ort.InferenceSession(model, so, providers=providers)
+
+
+class DeviceOps:
+    """The searches' work on device-resident tensors: cache rows picked by index (one Gather session per dtype) and
+    beam search's candidates (`beam_top`)."""
 
     def __init__(self, providers: list, device: tuple[str, int]):
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads = 1, 1
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.log_severity_level = 3
-        self.sessions = {t: ort.InferenceSession(b, so, providers=providers) for t, b in GATHER_ONNX.items()}
+        self.sessions = {t: _small_session(b, providers) for t, b in GATHER_ONNX.items()}
+        self.top = _small_session(BEAM_TOP_ONNX, providers)
         self.device = device
+        self._bias: dict = {}  # (vocab, banned ids) -> (1, vocab) float32
 
-    def __call__(self, value, rows: np.ndarray):
+    def gather(self, value, rows: np.ndarray):
         """value: OrtValue (n, heads, len, d_kv) -> OrtValue (len(rows), heads, len, d_kv) on the same device."""
         session = self.sessions[_ELEMENT[value.data_type()]]
         io = session.io_binding()
@@ -60,14 +91,34 @@ class RowGather:
         return io.get_outputs()[0]
 
 
-_GATHERS: dict[str, RowGather] = {}  # one pair of Gather sessions per (providers, device), built on first use
+    def beam_top(self, logits, scores: np.ndarray, k: int, banned: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """logits: OrtValue (batch*beams, len, vocab) on the device; scores: (batch, beams) float32 -> the k best
+        (batch, k) scores and their indices into beams x vocab, best first (ties: lower index first)."""
+        vocab = logits.shape()[-1]
+        if (vocab, banned) not in self._bias:
+            bias = np.zeros((1, vocab), dtype=np.float32)
+            bias[0, list(banned)] = -np.inf
+            self._bias[(vocab, banned)] = bias
+        io = self.top.io_binding()
+        io.bind_ortvalue_input("logits", logits)
+        io.bind_cpu_input("scores", np.ascontiguousarray(scores, dtype=np.float32))
+        io.bind_cpu_input("bias", self._bias[(vocab, banned)])
+        io.bind_cpu_input("k", np.array([k], dtype=np.int64))
+        for name in ("values", "indices"):
+            io.bind_output(name, "cpu")
+        self.top.run_with_iobinding(io)
+        values, indices = (v.numpy() for v in io.get_outputs())
+        return values, indices
 
 
-def row_gather(providers: list, device: tuple[str, int]) -> RowGather:
+_OPS: dict[str, DeviceOps] = {}  # one set of small sessions per (providers, device), built on first use
+
+
+def device_ops(providers: list, device: tuple[str, int]) -> DeviceOps:
     key = repr((providers, device))
-    if key not in _GATHERS:
-        _GATHERS[key] = RowGather(providers, device)
-    return _GATHERS[key]
+    if key not in _OPS:
+        _OPS[key] = DeviceOps(providers, device)
+    return _OPS[key]
 
 
 class BoundDecoder:
@@ -81,14 +132,15 @@ class BoundDecoder:
         self.first_session, self.past_session = sessions
         kind, _, index = device.partition(":")
         self.device = ("cuda", int(index or 0)) if kind == "cuda" else ("cpu", 0)
-        self.gather = row_gather(self.past_session.get_providers(), self.device)
+        self.ops = device_ops(self.past_session.get_providers(), self.device)
         self.beams, self.hidden, self.mask = beams, hidden, mask  # (batch, enc_len, d_model), (batch, enc_len)
         self.self_cache: dict = {}  # past name -> OrtValue (batch*beams, heads, past_len, d_kv)
         self.cross_cache: dict = {}  # past name -> OrtValue (batch*beams, heads, enc_len, d_kv), set once
 
-    def _run(self, session, feeds: dict[str, np.ndarray], bound: dict) -> tuple[np.ndarray, dict]:
+    def _run(self, session, feeds: dict[str, np.ndarray], bound: dict, logits_to_host: bool = True) -> tuple:
         """Run `session`: numpy `feeds` from the host, OrtValues `bound` in place; the cache outputs stay on the
-        device. Returns the last position's logits (rows, vocab) float32 and the cache outputs by past name."""
+        device. Returns the last position's logits (rows, vocab) float32 (or, with logits_to_host False, the logits
+        output as an OrtValue left on the device) and the cache outputs by past name."""
         io = session.io_binding()
         for name, array in feeds.items():
             io.bind_cpu_input(name, np.ascontiguousarray(array))
@@ -96,10 +148,12 @@ class BoundDecoder:
             io.bind_ortvalue_input(name, value)
         names = [o.name for o in session.get_outputs()]
         for name in names:  # the logits to the host (ONNX Runtime copies them at the end of the run), the rest stays
-            io.bind_output(name, *(("cpu", 0) if name == "logits" else self.device))
+            io.bind_output(name, *(("cpu", 0) if name == "logits" and logits_to_host else self.device))
         session.run_with_iobinding(io)
         out = dict(zip(names, io.get_outputs(), strict=True))
-        logits = out.pop("logits").numpy()[:, -1, :].astype(np.float32, copy=False)
+        logits = out.pop("logits")
+        if logits_to_host:
+            logits = logits.numpy()[:, -1, :].astype(np.float32, copy=False)
         return logits, {_past(n): v for n, v in out.items()}
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
@@ -110,6 +164,18 @@ class BoundDecoder:
         logits, self.self_cache = self._run(self.past_session, feeds, {**self.self_cache, **self.cross_cache})
         return logits
 
+    def step_top(self, tokens: np.ndarray, scores: np.ndarray, k: int, banned: tuple[int, ...]):
+        """Beam search's step with the scores kept on the device: tokens (batch*beams,), scores (batch, beams) ->
+        the k best (batch, k) candidate scores, their indices into beams x vocab, and the vocabulary size. None at
+        the first step (its logits are expanded for the beams on the host): call `step` then."""
+        if not self.self_cache:
+            return None
+        feeds = {"input_ids": tokens[:, None], "encoder_attention_mask": self.mask}
+        logits, self.self_cache = self._run(self.past_session, feeds, {**self.self_cache, **self.cross_cache},
+                                            logits_to_host=False)
+        values, indices = self.ops.beam_top(logits, scores, k, banned)
+        return values, indices, logits.shape()[-1]
+
     def _first(self, tokens: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": tokens[:, None], "encoder_hidden_states": self.hidden,
                  "encoder_attention_mask": self.mask}
@@ -117,7 +183,7 @@ class BoundDecoder:
         self.hidden = None  # the cross-attention cache replaces it
         if self.beams > 1:
             rows = np.repeat(np.arange(tokens.shape[0]), self.beams)
-            cache = {n: self.gather(v, rows) for n, v in cache.items()}
+            cache = {n: self.ops.gather(v, rows) for n, v in cache.items()}
             self.mask, logits = np.repeat(self.mask, self.beams, axis=0), np.repeat(logits, self.beams, axis=0)
         self.self_cache = {n: v for n, v in cache.items() if ".decoder." in n}
         self.cross_cache = {n: v for n, v in cache.items() if ".encoder." in n}
@@ -128,10 +194,10 @@ class BoundDecoder:
     def reorder(self, rows: np.ndarray) -> None:
         """rows: (batch*beams,) new parent of each beam (a gather of the self-attention cache, when any moved)."""
         if (rows != np.arange(rows.shape[0])).any():
-            self.self_cache = {n: self.gather(v, rows) for n, v in self.self_cache.items()}
+            self.self_cache = {n: self.ops.gather(v, rows) for n, v in self.self_cache.items()}
 
     def keep(self, rows: np.ndarray) -> None:
         """rows: (kept,) rows to go on with; every per-row tensor shrinks."""
-        self.self_cache = {n: self.gather(v, rows) for n, v in self.self_cache.items()}
-        self.cross_cache = {n: self.gather(v, rows) for n, v in self.cross_cache.items()}
+        self.self_cache = {n: self.ops.gather(v, rows) for n, v in self.self_cache.items()}
+        self.cross_cache = {n: self.ops.gather(v, rows) for n, v in self.cross_cache.items()}
         self.mask = np.take(self.mask, rows, axis=0)

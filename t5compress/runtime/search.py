@@ -174,12 +174,7 @@ def beam_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: Specia
     eos = np.array(tok.eos, dtype=np.int64)
     cur = 1
     while True:
-        logits = decoder.step(run_seqs[:, :, cur - 1].reshape(-1))  # (batch*beams, vocab)
-        vocab = logits.shape[-1]
-        logp = process_scores(log_softmax(logits), run_seqs[:, :, :cur].reshape(batch * k, cur), s, tok)
-        logp = (logp.reshape(batch, k, vocab) + run_scores[:, :, None]).reshape(batch, k * vocab)
-        cand = topk(logp, k2)  # (batch, 2k) into beams*vocab
-        cand_scores = np.take_along_axis(logp, cand, axis=1)  # (batch, 2k)
+        cand_scores, cand, vocab = _candidates(decoder, run_seqs[:, :, :cur], run_scores, k2, s, tok)
         parents, tokens = cand // vocab, cand % vocab
         cand_seqs = np.take_along_axis(run_seqs, parents[:, :, None], axis=1)  # (batch, 2k, max_len)
         cand_seqs[:, :, cur] = tokens
@@ -198,6 +193,29 @@ def beam_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: Specia
         all_full = bool(fin.done.all()) and s.early_stopping is True
         if not improvable.any() or all_full or hits.all():
             return fin.best(s.num_return_sequences)
+
+
+def _candidates(decoder: Decoder, seqs: np.ndarray, run_scores: np.ndarray, k2: int, s: GenerationSettings,
+                tok: SpecialTokens) -> tuple[np.ndarray, np.ndarray, int]:
+    """One beam step: the best k2 (batch, k2) candidate scores (log-probability + beam score), their indices into
+    beams x vocab, and the vocabulary size. seqs: (batch, beams, cur) tokens so far.
+
+    A decoder with `step_top` (IO binding) ranks on its device and sends back only these; it applies the
+    min-length ban itself, so the repetition penalty and no-repeat n-grams are what still need the host's scores.
+    """
+    batch, k, cur = seqs.shape
+    step_top = getattr(decoder, "step_top", None)
+    if step_top is not None and s.repetition_penalty == 1.0 and s.no_repeat_ngram_size == 0:
+        banned = tuple(tok.eos) if cur < s.min_length else ()
+        top = step_top(seqs[:, :, -1].reshape(-1), run_scores, k2, banned)
+        if top is not None:
+            return top
+    logits = decoder.step(seqs[:, :, -1].reshape(-1))  # (batch*beams, vocab)
+    vocab = logits.shape[-1]
+    logp = process_scores(log_softmax(logits), seqs.reshape(batch * k, cur), s, tok)
+    logp = (logp.reshape(batch, k, vocab) + run_scores[:, :, None]).reshape(batch, k * vocab)
+    cand = topk(logp, k2)  # (batch, 2k) into beams*vocab
+    return np.take_along_axis(logp, cand, axis=1), cand, vocab
 
 
 class _Finished:
