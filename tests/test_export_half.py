@@ -200,6 +200,17 @@ def test_cli_refusals_are_one_line_and_write_nothing(case, tiny_model_dir, tmp_p
     assert not out.exists()
 
 
+@pytest.mark.parametrize("mode", ["--dynamic", "--static"])
+def test_quantize_refuses_an_fp16_export_in_one_line(gated_fp32_fp16, tmp_path, mode):
+    fp16 = gated_fp32_fp16[1]
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in fp16.iterdir())
+    result = runner.invoke(app, ["quantize", str(fp16), str(tmp_path / "q"), mode, "--calib-data", str(fp16)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "is an fp16 export" in lines[0], result.output
+    assert not (tmp_path / "q").exists() and sorted((p.name, p.stat().st_mtime_ns) for p in fp16.iterdir()) == before
+
+
 def test_config_rejects_half_options_naming_the_field():
     with pytest.raises(ConfigError, match="half_rtol"):
         ExportConfig(dtype="fp16", half_rtol=-1)

@@ -122,6 +122,17 @@ def check_export_dir(src: Path) -> None:
     done = [g for g in GRAPHS if is_quantized(src / f"{g}{ONNX_SUFFIX}")]
     if done:
         raise ModelError(f"'{src}' is already quantized ({', '.join(done)} hold int8 ops); quantize its fp32 export")
+    if _half_precision(src / f"{ENCODER}{ONNX_SUFFIX}"):
+        raise ModelError(f"'{src}' is an fp16 export (export --dtype fp16); int8 is made from fp32 graphs: quantize "
+                         "an export without --dtype fp16")
+
+
+def _half_precision(graph: Path) -> bool:
+    """Whether the graph returns float16 tensors (read without its weights)."""
+    import onnx
+
+    outputs = onnx.load(str(graph), load_external_data=False).graph.output
+    return any(o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for o in outputs)
 
 
 @artifacts.claims_output
