@@ -141,6 +141,18 @@ def test_beam_top_ranks_like_the_numpy_search_ties_included():
     np.testing.assert_array_equal(values, np.take_along_axis(want, indices, axis=1))
 
 
+def test_io_binding_is_on_by_default_where_the_graphs_run_on_cuda(export_dir, monkeypatch):
+    from t5compress.runtime import model
+
+    assert load_runtime(export_dir).io_binding is False  # the CPU: numpy cache (as fast, no binding overhead)
+    assert load_runtime(export_dir, decoders="merged").io_binding is False
+    opened = model.open_on_device
+    monkeypatch.setattr(model, "open_on_device", lambda *a: (opened(*a)[0], "cuda:0"))  # as if placed on a GPU
+    assert load_runtime(export_dir).io_binding is True
+    assert load_runtime(export_dir, io_binding=False).io_binding is False
+    assert load_runtime(export_dir, decoders="merged").io_binding is False  # merged graphs: no binding path
+
+
 def test_io_binding_needs_the_separate_onnx_decoders(export_dir):
     with pytest.raises(ModelError, match="IO binding runs the separate ONNX decoder graphs"):
         load_runtime(export_dir, decoders="merged", io_binding=True)

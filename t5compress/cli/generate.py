@@ -39,8 +39,9 @@ MaxInput = Annotated[int | None, Opt(
     min=0, help="Longest input in tokens; longer ones are truncated (kept: the first N-1 tokens and </s>) and reported"
     " on stderr. Default: the export dir's tokenizer model_max_length (the length the model was trained with when"
     " the export recorded it). 0: no limit.")]
-IoBinding = Annotated[bool, Opt("--io-binding", help="Keep the KV cache on the device between steps (ONNX Runtime IO"
-                                 " binding; separate ONNX decoders): what to use with --device cuda. Same tokens.")]
+IoBinding = Annotated[bool | None, Opt("--io-binding/--no-io-binding", help="Keep the KV cache on the device between"
+                                        " steps (ONNX Runtime IO binding; separate ONNX decoders). Default: on when"
+                                        " the graphs run on CUDA, off on the CPU. Same tokens.")]
 Decoders = Annotated[str, Opt(help="ONNX decoder graphs to run: auto (separate when present, else merged), separate"
                               " or merged.")]
 
@@ -65,7 +66,7 @@ def generate(
     decoders: Decoders = "auto",
     threads: Threads = 1,
     device: Device = "cpu",
-    io_binding: IoBinding = False,
+    io_binding: IoBinding = None,
 ) -> None:
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
     from t5compress.runtime import load_runtime

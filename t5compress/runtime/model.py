@@ -239,7 +239,7 @@ def load_tokenizer(path: Path, pad_id: int):
 
 def load_runtime(
     path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto",
-    max_input_tokens: int | None | object = _FROM_DIR, device: str = "cpu", io_binding: bool = False,
+    max_input_tokens: int | None | object = _FROM_DIR, device: str = "cpu", io_binding: bool | None = None,
 ) -> Seq2SeqRuntime:
     """Open an ONNX or TorchScript export directory for generation.
 
@@ -252,10 +252,13 @@ def load_runtime(
         max_input_tokens: longest input in tokens, longer ones are truncated (None or 0: no limit); default: the
             dir's tokenizer_config.json `model_max_length`.
         device: 'cpu', 'cuda', 'cuda:N' or 'auto' (see `runtime.device`); ignored when `providers` is given.
-        io_binding: keep the KV cache on the device between steps (ONNX, separate decoders; see `runtime.binding`).
+        io_binding: keep the KV cache on the device between steps (ONNX, separate decoders; see `runtime.binding`);
+            None: on when the graphs run on CUDA and the dir has the separate decoders, else off.
     """
     p = Path(path)
     backend, placed = open_on_device(p, threads, providers, decoders, device)
+    if io_binding is None:  # on a GPU the cache would otherwise cross to the host and back every step
+        io_binding = placed.startswith("cuda") and hasattr(backend.decoder, "session")
     if io_binding and not hasattr(backend.decoder, "session"):
         raise ModelError(f"--io-binding: '{p}' opened as {backend.format} with "
                          f"{'merged' if backend.format == 'onnx' else 'TorchScript'} decoders; IO binding runs the "
