@@ -84,8 +84,10 @@ def build_flan_small(work: Path, texts: int) -> None:
 
 
 VARIANTS = {  # name: (what, QuantizeConfig fields)
-    "before": ("static, the default (gated: every wo kept fp32)", {"keep_fp32": "DenseReluDense/wo/"}),
-    "all-int8": ("static, every group int8", {"keep_fp32": "none"}),
+    "before": ("static, the earlier default (gated: every wo kept fp32)",
+               {"keep_fp32": "DenseReluDense/wo/", "per_token": "none"}),
+    "all-int8": ("static, every group int8", {"keep_fp32": "none", "per_token": "none"}),
+    "per-token": ("static, the default (gated: wo and an untied lm_head per-token int8)", {}),
     "after": ("static, --keep-fp32 sensitive (sensitivity-guided)", {"keep_fp32": "sensitive"}),
     "dynamic": ("dynamic (gated: wo kept fp32)", {"mode": "dynamic"}),
 }
@@ -140,7 +142,7 @@ def measure(work: Path, samples: int, eval_max: int, threads: int = 1) -> dict:
 
     rows = quantize_all(work, samples, eval_max, threads)
     texts = load_texts(work / "eval.jsonl", samples=16)
-    ms = generate_ms(work, ["all-int8", "after", "before"], texts)
+    ms = generate_ms(work, ["all-int8", "per-token", "after", "before"], texts)
     for n, v in ms.items():
         rows[n]["generate_ms"] = v
         rows[n]["speed_vs_all_int8"] = round(v / ms["all-int8"], 3)

@@ -104,7 +104,7 @@ def test_quantizing_every_op_type_is_refused_and_writes_nothing(skilled, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]
 
 
-def test_gated_model_keeps_wo_fp32_unless_smoothed(tiny_gated_dir, demo_jsonl, tmp_path):
+def test_gated_model_gets_wo_and_its_lm_head_per_token_or_wo_fp32_or_smoothed(tiny_gated_dir, demo_jsonl, tmp_path):
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
     from t5compress.quantize.smooth import ChannelMax, ffn_pairs, smooth
@@ -112,11 +112,24 @@ def test_gated_model_keeps_wo_fp32_unless_smoothed(tiny_gated_dir, demo_jsonl, t
     fp32 = tmp_path / "fp32"
     export(tiny_gated_dir, ExportConfig(), fp32)
     # Random weights give flat logits, where int8 flips near-ties often: the agreement floor is lowered for them.
-    kept = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5), tmp_path / "kept",
-               progress=False)
+    default = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5),
+                  tmp_path / "default", progress=False)
+    for g, n_wo in (("encoder_model", 2), ("decoder_model", 2), ("decoder_with_past_model", 2)):
+        tokenwise = default["graphs"][g]["per_token"]
+        assert default["graphs"][g]["kept_fp32"] == []
+        assert len([n for n in tokenwise if "DenseReluDense/wo/" in n]) == n_wo
+        assert ("/lm_head/MatMul" in tokenwise) == (g != "encoder_model")  # the untied head
+        assert _ops(tmp_path / "default" / f"{g}.onnx")["MatMulInteger"] == len(tokenwise)
+
+    kept = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5, per_token="none"),
+               tmp_path / "kept", progress=False)
     wo = kept["graphs"]["encoder_model"]["kept_fp32"]
-    assert wo and all("DenseReluDense/wo/" in n for n in wo)
+    assert wo and all("DenseReluDense/wo/" in n for n in wo) and kept["graphs"]["encoder_model"]["per_token"] == []
     assert _ops(tmp_path / "kept" / "encoder_model.onnx")["MatMul"] >= len(wo)
+    assert default["size"]["int8_bytes"] < kept["size"]["int8_bytes"]  # wo's weights int8 too
+    named = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
+                                     keep_fp32="DenseReluDense/wo/"), tmp_path / "named", progress=False)
+    assert named["graphs"]["decoder_model"]["per_token"] == ["/lm_head/MatMul"]  # what --keep-fp32 names stays fp32
 
     smoothed = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, smooth_alpha=0.5, min_agreement=0.5),
                    tmp_path / "smoothed", progress=False)
@@ -195,3 +208,38 @@ def test_a_pruned_model_exports_and_quantizes_like_any_other(skilled, tmp_path):
     # The pruned fp32 export is smaller than the unpruned one, and its int8 export runs in the runtime.
     assert r["size"]["fp32_bytes"] < 0.8 * sum(f.stat().st_size for f in (skilled / "onnx").glob("*.onnx"))
     assert len(load_runtime(tmp_path / "pruned-int8").generate_text(["spell sorted: 914", "sort words: a b"])) == 2
+
+
+def test_per_token_int8_keeps_each_rows_precision_whatever_its_scale(tmp_path):
+    """Rows 10^4 apart in magnitude (the spread of wo inputs) each come out within int8 error of fp32; an all-zero
+    row gives zeros; the weight is stored int8 (the fp32 one is gone)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from t5compress.quantize.pertoken import per_token_int8
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="/decoder/block.0/layer.2/DenseReluDense/wo/MatMul")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "len", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "len", 8])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "g.onnx"
+    onnx.save(model, str(path))
+    x = rng.standard_normal((2, 3, 16)).astype(np.float32) * np.array([1e-2, 1, 1e2])[None, :, None].astype(np.float32)
+    x[1, 2] = 0.0
+    want = x @ w
+    # 7-bit weights: x86 u8 x s8 kernels without VNNI saturate full-range products (what --weight-range reduced is for)
+    assert per_token_int8(path, ["/decoder/block.0/layer.2/DenseReluDense/wo/MatMul"], weight_max=63) == [
+        "/decoder/block.0/layer.2/DenseReluDense/wo/MatMul"]
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert got.shape == want.shape and np.isfinite(got).all()
+    scale = np.abs(want).max(axis=-1, keepdims=True) + 1e-30
+    assert (np.abs(got - want) / scale).max() < 0.03  # each row relative to its own size: 1e-2 rows included
+    assert np.array_equal(got[1, 2], np.zeros(8, np.float32))
+    written = onnx.load(str(path))
+    assert {t.name for t in written.graph.initializer}.isdisjoint({"w"})
+    assert {n.op_type for n in written.graph.node} >= {"MatMulInteger", "QuantizeLinear"}
+    assert "MatMul" not in {n.op_type for n in written.graph.node}

@@ -52,7 +52,7 @@ def test_group_labels_name_one_projection_of_one_layer():
 def test_mixed_graph_is_fp32_with_no_node_and_the_int8_graph_with_all(gated_export, demo_jsonl, tmp_path):
     # a plain QDQ graph (the stage mixes the calibrated graphs before the embedding lookups are rewritten)
     run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=16, keep_fp32="none", min_agreement=0,
-                                     embeddings=False), tmp_path / "all", progress=False)
+                                     embeddings=False, per_token="none"), tmp_path / "all", progress=False)
     fp32 = onnx.load(str(gated_export / "encoder_model.onnx"))
     int8 = onnx.load(str(tmp_path / "all" / "encoder_model.onnx"))
     linear = [n.name for n in fp32.graph.node if n.op_type == "MatMul" and len(n.input) > 1

@@ -66,3 +66,6 @@ def print_report(report: dict, con) -> None:
     kept = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("kept_fp32", [])})
     if kept:
         con.print(f"kept fp32: {len(kept)} node(s), e.g. {kept[0]}", highlight=False)
+    tokenwise = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("per_token", [])})
+    if tokenwise:
+        con.print(f"per-token int8: {len(tokenwise)} node(s), e.g. {tokenwise[0]}", highlight=False)

@@ -10,6 +10,7 @@ from t5compress.names import GRAPHS, ONNX_SUFFIX
 from t5compress.progress import Reporter
 
 KEEP_AUTO, KEEP_NONE, KEEP_SENSITIVE = "auto", "none", "sensitive"
+PER_TOKEN_AUTO, PER_TOKEN_NONE = "auto", "none"
 
 
 def untied(path: Path, work: Path) -> Path:
@@ -34,13 +35,42 @@ def plan_for(path: Path, cfg, gated: bool):
     if cfg.embeddings:
         nodes += [n for n in embedding_nodes(model) if n not in nodes]
         op_types += ["Gather"] if "Gather" not in op_types else []
-    if cfg.keep_fp32 == KEEP_AUTO:
-        keep = ffn_output_nodes(nodes) if gated and cfg.smooth_alpha == 0 else []
+    if cfg.keep_fp32 == KEEP_AUTO:  # per-token int8 (auto) is what replaced keeping `wo` fp32 for gated models
+        keep = ffn_output_nodes(nodes) if gated and cfg.smooth_alpha == 0 and not uses_per_token(cfg) else []
     elif cfg.keep_fp32 == KEEP_NONE:
         keep = []
     else:
         keep = matching(nodes, tuple(p.strip() for p in cfg.keep_fp32.split(",") if p.strip()))
     return Plan(tuple(n for n in nodes if n not in keep), tuple(keep), tuple(op_types))
+
+
+def uses_per_token(cfg) -> bool:
+    """Whether static int8 gives some linear layers per-token scales (see `quantize.pertoken`): not with
+    --keep-fp32 sensitive or --tolerance (they choose by measuring), nor, for auto, with `wo` smoothed instead."""
+    return (cfg.mode == "static" and cfg.per_token != PER_TOKEN_NONE and cfg.keep_fp32 != KEEP_SENSITIVE
+            and cfg.tolerance is None and (cfg.per_token != PER_TOKEN_AUTO or cfg.smooth_alpha == 0))
+
+
+def per_token_nodes(path: Path, cfg, gated: bool, tied: bool) -> list[str]:
+    """The linear layers of one graph to quantize per token: for auto, a gated model's `wo` and its untied LM head
+    (a tied head shares its int8 table with the embedding lookup, `graphs.share_lm_head_table`)."""
+    from t5compress.quantize.graphs import ffn_output_nodes, linear_nodes, matching
+    from t5compress.runtime.sessions import load_onnx
+
+    if not uses_per_token(cfg):
+        return []
+    linear = linear_nodes(load_onnx(str(path), load_external_data=False), ("MatMul",))
+    if cfg.per_token != PER_TOKEN_AUTO:
+        return matching(linear, tuple(p.strip() for p in cfg.per_token.split(",") if p.strip()))
+    if not gated:
+        return []
+    return ffn_output_nodes(linear) + ([] if tied else [n for n in linear if "lm_head" in n])
+
+
+def is_tied(export_dir: Path) -> bool:
+    """Whether the export's LM head shares the token embedding's matrix (T5 v1.0; not T5 v1.1 / Flan)."""
+    config = artifacts.read_json(export_dir / "config.json") or {}
+    return bool(config.get("tie_word_embeddings", True))
 
 
 def is_gated(export_dir: Path) -> bool:

@@ -28,8 +28,12 @@ from t5compress.quantize.sources import (
     KEEP_AUTO,
     KEEP_NONE,
     KEEP_SENSITIVE,
+    PER_TOKEN_AUTO,
+    PER_TOKEN_NONE,
     drive_texts,
     is_gated,
+    is_tied,
+    per_token_nodes,
     plan_for,
     smoothed,
     untied,
@@ -69,6 +73,10 @@ class QuantizeConfig:
                                     "name parts, e.g. 'DenseReluDense/wo/'.")
     target_agreement: float = opt(0.97, "Static, --keep-fp32 sensitive: the next-token agreement with fp32 the kept "
                                         "groups must reach on the calibration texts.")
+    per_token: str = opt(PER_TOKEN_AUTO, "Static: linear layers given per-token int8 (a scale per input row, computed "
+                                         "at run time; int8 weights as elsewhere) instead of a calibrated scale: "
+                                         "auto (gated-gelu models: the FFN output `wo` and an untied LM head, whose "
+                                         "inputs vary most from token to token), none, or comma-separated name parts.")
     smooth_alpha: float = opt(0.0, "SmoothQuant migration strength for `wo` inputs (0 disables; 0.5 is typical): "
                                    "keeps `wo` int8 without its outliers.")
     eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side.")
@@ -103,6 +111,8 @@ class QuantizeConfig:
                 f"must be in [0, 1), e.g. 0.01 for 1%, got {self.tolerance}")
         require(self.keep_fp32 != KEEP_SENSITIVE or (self.mode == "static" and self.tolerance is None), "keep_fp32",
                 "sensitive is measured on static int8 and replaces --tolerance's search: use --static, no --tolerance")
+        require(self.per_token in (PER_TOKEN_AUTO, PER_TOKEN_NONE) or self.mode == "static", "per_token",
+                "per-token scales are a static int8 choice; dynamic int8 scales every call already")
         require(self.tolerance is None or (self.mode == "static" and bool(self.eval_data)), "tolerance",
                 "tuning needs --static and --eval-data (the task metric it keeps within tolerance)")
 
@@ -193,13 +203,14 @@ def _settings(cfg: QuantizeConfig) -> dict:
     s = {"mode": cfg.mode, "format": cfg.format, "per_channel": cfg.per_channel, "op_types": list(cfg.op_types),
          "embeddings": cfg.embeddings, "weight_max": weight_max(cfg.weight_range)}
     if cfg.mode == "static":
-        s.update(method=cfg.method, samples=cfg.samples, calib_data=cfg.calib_data)
+        s.update(method=cfg.method, samples=cfg.samples, calib_data=cfg.calib_data, per_token=cfg.per_token)
     return s
 
 
 def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str] | None, progress: bool) -> dict:
     """Quantize the three graphs (smoothing first on request) into `tmp`; re-merge the decoders if `src` had it."""
     from t5compress.quantize.methods import scratch_dir, write_dynamic
+    from t5compress.quantize.pertoken import per_token_int8
 
     with scratch_dir(tmp.parent) as scratch:
         work = Path(scratch)
@@ -216,21 +227,33 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         guided = cfg.mode == "static" and cfg.keep_fp32 == KEEP_SENSITIVE
         plan_cfg = replace(cfg, keep_fp32=KEEP_NONE) if guided else cfg  # the sensitivity decides
         plans = {g: plan_for(sources[g], plan_cfg, gated) for g in GRAPHS}
+        tokenwise = {g: [n for n in per_token_nodes(sources[g], cfg, gated, is_tied(src)) if n not in plans[g].exclude]
+                     for g in GRAPHS}  # what --keep-fp32 names stays fp32
+        plans = {g: _without(plans[g], tokenwise[g]) for g in GRAPHS}  # left fp32 by calibration, rewritten after
         feeds: dict[str, int] = {}
         sensitivity = None
         if cfg.mode == "static":
             plans, feeds, sensitivity = _static(src, tmp, work, sources, plans, cfg, texts, guided, progress)
+            wmax = weight_max(cfg.weight_range)  # the same weight range as the static layers
+            tokenwise = {g: per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], wmax) for g in GRAPHS}
         else:
             reduce = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
             for g in GRAPHS:
                 write_dynamic(sources[g], tmp / f"{g}{ONNX_SUFFIX}", plans[g], cfg.per_channel, reduce)
-    out = {g: {"quantized_nodes": len(plans[g].nodes), "kept_fp32": list(plans[g].exclude),
+    out = {g: {"quantized_nodes": len(plans[g].nodes) + len(tokenwise[g]),
+               "kept_fp32": [n for n in plans[g].exclude if n not in tokenwise[g]], "per_token": tokenwise[g],
                **({"calibration_feeds": feeds[g]} if feeds else {})} for g in GRAPHS}
     if smoothing:
         out["smooth_quant"] = smoothing
     if sensitivity:
         out["sensitivity"] = sensitivity
     return out
+
+
+def _without(plan, names: list[str]):
+    """`plan` with `names` moved from its quantized nodes to those the calibration leaves fp32."""
+    return replace(plan, nodes=tuple(n for n in plan.nodes if n not in names),
+                   exclude=tuple(dict.fromkeys((*plan.exclude, *names))))
 
 
 def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, cfg: QuantizeConfig, texts: list[str],
