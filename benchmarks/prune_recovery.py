@@ -8,16 +8,21 @@ API a user runs (`t5compress.prune.run`, `t5compress.prune.recover.run`), every 
 step count, all from the same trained model, scored on the same held-out sentences:
 
   none            pruned, no recovery
-  ce              fine-tune on the references (cross-entropy), lr 5e-4
-  kd              + logit distillation from the unpruned model (KL, T=2, alpha 0.5): the old `--distill`
-  kd-lr2e-3       kd at a 4x higher peak learning rate
+  ce              fine-tune on the references (cross-entropy), lr 5e-4: the old default
+  ce-lr2e-3       ce at a 4x higher peak learning rate
+  kd              + logit distillation from the unpruned model (KL, T=2, alpha 0.5), lr 5e-4: the old `--distill`
+  kd-lr2e-3       kd at lr 2e-3 (kd-lr4e-3: at 4e-3)
   kd-layers       kd + every block's output matched to the teacher's (layer-wise distillation), lr 5e-4
-  kd-layers-lr    kd-layers at lr 2e-3
+  kd-layers-lr    kd-layers at lr 2e-3: the new default of `prune --recover-data` and `recover`
   iter2           two pruning steps (25% then to 50%), each followed by half the recovery steps (kd-layers-lr)
 
-    .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery        # ~20 min on 2 busy cores
+    .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --steps 300
+    .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --methods kd-layers-lr --steps 600 \
+        --name more            # reuses OUT's trained model
+    .venv/bin/python benchmarks/prune_recovery.py --merge runs/prune-recovery/prune_recovery.json,...
 
-Writes OUT/prune_recovery.json and .md and copies them to benchmarks/results/.
+Training the base model takes ~9 min on 2 cores (once: OUT/base is reused), each row 1-4 min (more on a busy
+machine; iter2 evaluates after every step). Writes OUT/NAME.json and .md and copies them to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ ROOT = Path(__file__).resolve().parent
 # name -> (recovery keyword arguments, pruning steps)
 METHODS: dict[str, tuple[dict, int]] = {
     "ce": ({"distill": False, "lr": 5e-4}, 1),
+    "ce-lr2e-3": ({"distill": False, "lr": 2e-3}, 1),
     "kd": ({"distill": True, "lr": 5e-4}, 1),
     "kd-lr2e-3": ({"distill": True, "lr": 2e-3}, 1),
+    "kd-lr4e-3": ({"distill": True, "lr": 4e-3}, 1),
     "kd-layers": ({"distill": True, "lr": 5e-4, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "kd-layers-lr": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "iter2": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 2),
@@ -141,6 +148,33 @@ def table(rows: list[dict], before: dict, ratio: float) -> list[str]:
     return md
 
 
+def write(summary: dict, md: list[str], out: Path, name: str) -> None:
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / f"{name}.md").write_text("\n".join(md) + "\n")
+    (ROOT / "results").mkdir(exist_ok=True)
+    for ext in ("json", "md"):
+        shutil.copy(out / f"{name}.{ext}", ROOT / "results" / f"{name}.{ext}")
+    print("\n".join(md))
+
+
+def merge(paths: list[Path], name: str) -> None:
+    """One table from several runs: same data, same trained model (its unpruned metric must agree), other rows."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    base = runs[0]["unpruned"]
+    if any(r["unpruned"] != base for r in runs):
+        raise SystemExit("the runs measured different unpruned models; merge only runs on the same base")
+    rows, seen = [], set()
+    for i, r in enumerate(runs):
+        for row in r["rows"]:
+            if (row["method"], row["steps"]) not in seen:
+                seen.add((row["method"], row["steps"]))
+                rows.append({**row, "run": i + 1})
+    done = [{"file": str(p), "setup": r["setup"], "seconds": r["seconds"]} for p, r in zip(paths, runs, strict=True)]
+    summary = {"runs": done,
+               "task": runs[0]["task"], "unpruned": base, "pruned_model": runs[0]["pruned_model"], "rows": rows}
+    write(summary, table(rows, base, runs[0]["setup"]["ratio"]), paths[0].parent, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/prune-recovery"))
@@ -148,7 +182,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=1500)
     ap.add_argument("--train-lr", type=float, default=2e-3)
     ap.add_argument("--ratio", type=float, default=0.5, help="share of heads and of FFN channels removed")
-    ap.add_argument("--steps", default="100,300", help="recovery step counts, comma-separated")
+    ap.add_argument("--steps", default="300", help="recovery step counts, comma-separated")
     ap.add_argument("--methods", default=",".join(METHODS), help="recovery methods, comma-separated")
     ap.add_argument("--long", default="", help="method:steps pairs run in addition, e.g. kd-layers-lr:900")
     ap.add_argument("--eval-examples", type=int, default=400)
@@ -156,7 +190,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="prune_recovery", help="file name of the results")
+    ap.add_argument("--merge", default="", help="comma-separated result JSONs of runs on the same base model: "
+                                                "write their rows as one table (--name) and exit")
     args = ap.parse_args()
+    if args.merge:
+        return merge([Path(p) for p in args.merge.split(",")], args.name)
 
     import torch
 
@@ -188,12 +226,7 @@ def main() -> None:
     summary = {"setup": vars(args) | {"out": str(out)}, "task": "restore order (stdlib docstring sentences)",
                "unpruned": {k: v for k, v in before.items() if k != "samples"}, "pruned_model": first["model"],
                "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
-    (out / f"{args.name}.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / f"{args.name}.md").write_text("\n".join(md) + "\n")
-    (ROOT / "results").mkdir(exist_ok=True)
-    for ext in ("json", "md"):
-        shutil.copy(out / f"{args.name}.{ext}", ROOT / "results" / f"{args.name}.{ext}")
-    print("\n".join(md))
+    write(summary, md, out, args.name)
 
 
 if __name__ == "__main__":
