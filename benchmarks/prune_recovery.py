@@ -139,12 +139,12 @@ def iterative(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: di
 
 def table(rows: list[dict], before: dict, ratio: float) -> list[str]:
     md = ["| ratio | method | recovery steps | ROUGE-L | exact match | loss | ROUGE-L drop vs unpruned | "
-          "seconds |", "|---|---|---|---|---|---|---|---|",
-          f"| 0 | unpruned | - | {before['rougeL']} | {before['exact_match']} | {before['loss']} | - | - |"]
+          "seconds | run |", "|---|---|---|---|---|---|---|---|---|",
+          f"| 0 | unpruned | - | {before['rougeL']} | {before['exact_match']} | {before['loss']} | - | - | - |"]
     for r in rows:
         a = r["after"]
         md.append(f"| {ratio} | {r['method']} | {r['steps']} | {a['rougeL']} | {a['exact_match']} | {a['loss']} | "
-                  f"{r['drop_pct']:.1f}% | {r['seconds']} |")
+                  f"{r['drop_pct']:.1f}% | {r['seconds']} | {r.get('run', 1)} |")
     return md
 
 

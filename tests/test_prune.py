@@ -253,50 +253,35 @@ def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
     return root / "trained"
 
 
-def _recover(data: Path, distill: bool, steps: int = 80) -> RecoverConfig:
-    from t5compress.data import DataConfig
-    from t5compress.train.loop import TrainConfig
-
-    train = TrainConfig(max_steps=steps, batch_size=16, lr=3e-3, eval_every=steps, eval_max_examples=24,
-                        metric="loss")
-    return RecoverConfig(data=str(data), distill=distill, data_cfg=DataConfig(max_target_length=48), train=train)
-
-
-@pytest.mark.slow
-def test_recovery_with_distillation_wins_back_what_pruning_lost(trained_dir, demo_jsonl, tmp_path):
-    cfg = _cfg(demo_jsonl, heads=0.5, ffn=0.5, eval_max_examples=24, latency_examples=0,
-               data=DataConfig(max_target_length=48),
-               recover=_recover(demo_jsonl, distill=True))
-    report = run(str(trained_dir), cfg, tmp_path / "r", progress=False)
-    before, pruned, recovered = (report[k]["eval"] for k in ("before", "after_pruning", "after_recovery"))
-    print(json.dumps({"before": before, "pruned": pruned, "recovered": recovered}))
-    assert 5 < before["rougeL"] < 95, before  # real, not perfect skill
-    assert pruned["rougeL"] < before["rougeL"] - 5 and pruned["loss"] > before["loss"] + 0.2, (before, pruned)
-    # Stated margin: 80 recovery steps win back at least half the ROUGE-L and three quarters of the loss that
-    # pruning lost (measured here: rougeL 20.6 -> 0.0 -> 13.6, loss 1.50 -> 2.58 -> 1.65).
-    assert recovered["rougeL"] >= pruned["rougeL"] + 0.5 * (before["rougeL"] - pruned["rougeL"]), report
-    assert recovered["loss"] <= pruned["loss"] - 0.75 * (pruned["loss"] - before["loss"]), report
-    assert report["recovery"]["distill"]["alpha"] == 0.5 and report["recovery"]["train"]["steps"] == 80
-
+STEPS = 160  # recovery steps of the test below
 
 
 @pytest.mark.slow
 def test_default_recovery_wins_back_most_of_what_pruning_lost(trained_dir, demo_jsonl, tmp_path):
-    """RecoverConfig's defaults (distillation of logits and of every block's output, lr 2e-3), only shortened."""
+    """RecoverConfig's defaults (logit + layer-wise distillation, lr 2e-3), only shorter, against the old default
+    (cross-entropy at lr 5e-4) with the same steps, on a model of real but imperfect skill."""
     import dataclasses
 
     rec = RecoverConfig(data=str(demo_jsonl), data_cfg=DataConfig(max_target_length=48))
-    train = dataclasses.replace(rec.train, max_steps=80, batch_size=16, eval_every=80, eval_max_examples=24)
-    assert rec.distill and rec.kd.hidden_layers == "all" and train.lr == 2e-3
-    cfg = _cfg(demo_jsonl, heads=0.5, ffn=0.5, eval_max_examples=24, latency_examples=0,
-               data=DataConfig(max_target_length=48), recover=dataclasses.replace(rec, train=train))
-    report = run(str(trained_dir), cfg, tmp_path / "r", progress=False)
-    before, pruned, recovered = (report[k]["eval"] for k in ("before", "after_pruning", "after_recovery"))
-    print(json.dumps({"before": before, "pruned": pruned, "recovered": recovered}))
+    assert rec.distill and rec.kd.hidden_layers == "all" and rec.train.lr == 2e-3
+    short = dataclasses.replace(rec.train, max_steps=STEPS, batch_size=16, eval_every=STEPS, eval_max_examples=24)
+    old = dataclasses.replace(short, lr=5e-4)
+    evals = {}
+    for name, recover in (("default", dataclasses.replace(rec, train=short)),
+                          ("old", dataclasses.replace(rec, distill=False, train=old))):
+        cfg = _cfg(demo_jsonl, heads=0.5, ffn=0.5, eval_max_examples=24, latency_examples=0,
+                   data=DataConfig(max_target_length=48), recover=recover)
+        report = run(str(trained_dir), cfg, tmp_path / name, progress=False)
+        evals["before"], evals["pruned"] = report["before"]["eval"], report["after_pruning"]["eval"]
+        evals[name] = report["after_recovery"]["eval"]
+    print(json.dumps({k: {m: v[m] for m in ("loss", "rougeL")} for k, v in evals.items()}))
+    before, pruned, new, old = (evals[k] for k in ("before", "pruned", "default", "old"))
     assert 5 < before["rougeL"] < 95 and pruned["rougeL"] < before["rougeL"] - 5, (before, pruned)
-    # Stated margin: most of the loss comes back (measured here: MEASURED).
-    assert recovered["rougeL"] >= pruned["rougeL"] + 0.8 * (before["rougeL"] - pruned["rougeL"]), report
-    assert recovered["loss"] <= pruned["loss"] - 0.85 * (pruned["loss"] - before["loss"]), report
+    # Stated margins: the defaults win back most of what pruning lost, and more than the old default did (measured
+    # here: rougeL 18.93 -> 0.0 -> 19.58, loss 1.481 -> 2.526 -> 1.499; the old default 14.87 and 1.638).
+    assert new["rougeL"] >= pruned["rougeL"] + 0.8 * (before["rougeL"] - pruned["rougeL"]), evals
+    assert new["loss"] <= pruned["loss"] - 0.9 * (pruned["loss"] - before["loss"]), evals
+    assert new["loss"] < old["loss"] and new["rougeL"] > old["rougeL"], evals
 
 def _ok(args: list[str]) -> str:
     result = runner.invoke(app, args)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 # Recovery's own defaults (measured: see the module docstring); `train`'s fine-tuning defaults are not recovery's.
 RECOVER_LR = 2e-3
-RECOVER_STEPS = 300
+RECOVER_STEPS = 600
 RECOVER_BATCH = 32
 RECOVER_KD = DistillConfig(hidden_weight=1.0, hidden_layers="all")
 
