@@ -188,7 +188,8 @@ def main() -> None:
     ap.add_argument("--eval-examples", type=int, default=400)
     ap.add_argument("--calib-examples", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of recovery (and of the base model where OUT/base is not there yet)")
     ap.add_argument("--name", default="prune_recovery", help="file name of the results")
     ap.add_argument("--merge", default="", help="comma-separated result JSONs of runs on the same base model: "
                                                 "write their rows as one table (--name) and exit")
