@@ -7,8 +7,9 @@ Also called by the `prune` stage (`PruneConfig.recover`), with the in-memory unp
 
 The defaults are what won back the most in `benchmarks/prune_recovery.py` (a 4+4-layer T5 at real but imperfect
 skill, 50% of heads and FFN channels removed; table in benchmarks/results/prune_recovery.md): distillation from the
-unpruned teacher on logits and on every block's output, at a peak learning rate of 2e-3, batches of 32. Plain
-fine-tuning at the fine-tuning rate of 5e-4 (the old default) left the model 2-3 times further below the unpruned one.
+unpruned teacher on logits and on every block's output, at a peak learning rate of 2e-3, batches of 32, 600 steps:
+0.6% below the unpruned model's ROUGE-L over three seeds, where plain fine-tuning at 5e-4 (the old default) ended
+4.4% below with as many steps, and 11.8% with 300.
 """
 
 from __future__ import annotations
