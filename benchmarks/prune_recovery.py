@@ -28,6 +28,7 @@ machine; iter2 evaluates after every step). Writes OUT/NAME.json and .md and cop
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -118,8 +119,7 @@ def iterative(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: di
     from t5compress.prune.recover import run as recover
 
     src, kept, per_step = base, 1.0, []
-    rec = recover_cfg(train, max(1, steps // n), kw, args.seed)
-    rec = type(rec)(**{**rec.__dict__, "teacher": str(base)})
+    rec = dataclasses.replace(recover_cfg(train, max(1, steps // n), kw, args.seed), teacher=str(base))
     for k in range(1, n + 1):
         want = 1 - args.ratio * k / n  # share of the original units left after step k
         ratio = 1 - want / kept
