@@ -10,6 +10,7 @@ import typer
 from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, console, field_options, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
+from t5compress.prune.recover import RECOVER_BATCH, RECOVER_KD, RECOVER_LR, RECOVER_STEPS
 from t5compress.prune.recover import RecoverConfig as R
 from t5compress.prune.stage import PruneConfig as P
 from t5compress.stages import stage
@@ -17,11 +18,13 @@ from t5compress.train.distill import DistillConfig as K
 from t5compress.train.loop import TrainConfig as T
 
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted recovery from its checkpoint.")]
-Distill = Annotated[bool, typer.Option("--distill", help=_h(R, "distill"))]
+Distill = Annotated[bool, typer.Option("--distill/--no-distill", help=_h(R, "distill"))]
 Temperature = Annotated[float, typer.Option(help=_h(K, "temperature"))]
 Alpha = Annotated[float, typer.Option(help=_h(K, "alpha"))]
 HiddenWeight = Annotated[float, typer.Option(help=_h(K, "hidden_weight"))]
-Lr = Annotated[float, typer.Option("--lr", help=_h(T, "lr"))]
+HiddenLayers = Annotated[str, typer.Option(help=_h(K, "hidden_layers"))]
+Lr = Annotated[float, typer.Option("--lr", help="Peak learning rate of recovery (higher than fine-tuning's: "
+                                                "measured best for a pruned model).")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help=_h(T, "batch_size"))]
 EvalEvery = Annotated[int, typer.Option("--eval-every", help=_h(T, "eval_every"))]
 Seed = Annotated[int, typer.Option("--seed", help=_h(T, "seed"))]
@@ -29,9 +32,10 @@ Teacher = Annotated[str | None, typer.Option("--teacher", help=_h(R, "teacher"))
 
 
 def _recover_cfg(data: str, eval_data: str | None, steps: int, distill: bool, teacher: str | None, temperature: float,
-                 alpha: float, hidden_weight: float, lr: float, batch_size: int, eval_every: int, seed: int) -> R:
+                 alpha: float, hidden_weight: float, hidden_layers: str, lr: float, batch_size: int, eval_every: int,
+                 seed: int) -> R:
     train = T(max_steps=steps, lr=lr, batch_size=batch_size, eval_every=eval_every, metric="loss", seed=seed)
-    kd = K(temperature=temperature, alpha=alpha, hidden_weight=hidden_weight)
+    kd = K(temperature=temperature, alpha=alpha, hidden_weight=hidden_weight, hidden_layers=hidden_layers)
     return R(data=data, eval_data=eval_data, distill=distill, teacher=teacher, kd=kd, train=train)
 
 
@@ -43,13 +47,14 @@ def prune(
     calib_data: Annotated[str | None, typer.Option("--calib-data", help=_h(P, "calib_data"))] = None,
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(P, "eval_data"))] = None,
     recover_data: Annotated[str | None, typer.Option(help="Recovery data; recovery runs when given.")] = None,
-    recover_steps: Annotated[int, typer.Option(help="Recovery optimizer steps.")] = 200,
-    distill: Distill = False,
-    temperature: Temperature = _d(K, "temperature"),
-    alpha: Alpha = _d(K, "alpha"),
-    hidden_weight: HiddenWeight = _d(K, "hidden_weight"),
-    lr: Lr = 5e-4,
-    batch_size: BatchSize = 16,
+    recover_steps: Annotated[int, typer.Option(help="Recovery optimizer steps.")] = RECOVER_STEPS,
+    distill: Distill = _d(R, "distill"),
+    temperature: Temperature = RECOVER_KD.temperature,
+    alpha: Alpha = RECOVER_KD.alpha,
+    hidden_weight: HiddenWeight = RECOVER_KD.hidden_weight,
+    hidden_layers: HiddenLayers = RECOVER_KD.hidden_layers,
+    lr: Lr = RECOVER_LR,
+    batch_size: BatchSize = RECOVER_BATCH,
     eval_every: EvalEvery = 50,
     seed: Seed = 0,
     resume: Resume = False,
@@ -57,13 +62,13 @@ def prune(
     **opts,
 ) -> None:
     """Remove the least important attention heads, FFN channels and layers, and the pieces a task never uses;
-    optionally recover (and distil)."""
+    optionally recover (by default distilling from the unpruned model, logits and every block's output)."""
     run = stage("prune").runner()
 
     recover = None
     if recover_data is not None:
         recover = _recover_cfg(recover_data, None, recover_steps, distill, None, temperature, alpha, hidden_weight,
-                               lr, batch_size, eval_every, seed)
+                               hidden_layers, lr, batch_size, eval_every, seed)
     cfg = config_from(P, opts, calib_data=calib_data, eval_data=eval_data, recover=recover)
     report = run(model, cfg, Path(out), force=force, resume=resume)
     print_prune_report(report, out)
@@ -75,24 +80,26 @@ def recover(
     out: OutDir,
     data: Annotated[str, typer.Option("--data", help=_h(R, "data"))],
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(R, "eval_data"))] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Recovery optimizer steps.")] = 200,
-    distill: Distill = False,
+    steps: Annotated[int, typer.Option("--steps", help="Recovery optimizer steps.")] = RECOVER_STEPS,
+    distill: Distill = _d(R, "distill"),
     teacher: Teacher = None,
-    temperature: Temperature = _d(K, "temperature"),
-    alpha: Alpha = _d(K, "alpha"),
-    hidden_weight: HiddenWeight = _d(K, "hidden_weight"),
-    lr: Lr = 5e-4,
-    batch_size: BatchSize = 16,
+    temperature: Temperature = RECOVER_KD.temperature,
+    alpha: Alpha = RECOVER_KD.alpha,
+    hidden_weight: HiddenWeight = RECOVER_KD.hidden_weight,
+    hidden_layers: HiddenLayers = RECOVER_KD.hidden_layers,
+    lr: Lr = RECOVER_LR,
+    batch_size: BatchSize = RECOVER_BATCH,
     eval_every: EvalEvery = 50,
     seed: Seed = 0,
     resume: Resume = False,
     force: Force = False,
 ) -> None:
-    """Fine-tune a pruned model to win back accuracy, optionally distilling from the unpruned teacher."""
+    """Fine-tune a pruned model to win back accuracy, by default distilling from the unpruned teacher (logits and
+    every block's output)."""
     run = stage("recover").runner()
 
-    cfg = _recover_cfg(data, eval_data, steps, distill, teacher, temperature, alpha, hidden_weight, lr, batch_size,
-                       eval_every, seed)
+    cfg = _recover_cfg(data, eval_data, steps, distill, teacher, temperature, alpha, hidden_weight, hidden_layers, lr,
+                       batch_size, eval_every, seed)
     report = run(model, cfg, Path(out), force=force, resume=resume)
     from rich.table import Table
 

@@ -8,7 +8,7 @@ Layers, each public: the lowest ones live with the model, since loading a pruned
 `drop_blocks(stack, keep)`) and `t5compress.model.layout` records per-layer sizes of non-uniform models and loads
 them. Here: `importance` scores units on calibration batches (registry `SCORES`: taylor, activation, magnitude);
 `schedule` turns scores into a plan (registry `SCHEDULES`: uniform, global) and applies it; `recover` fine-tunes a
-pruned model through the shared loop, optionally distilling from the unpruned one; `stage` is the `prune` stage.
+pruned model through the shared loop, by default distilling from the unpruned one; `stage` is the `prune` stage.
 """
 
 from t5compress.prune.stage import PruneConfig, run
