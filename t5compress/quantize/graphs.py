@@ -130,10 +130,7 @@ def share_lm_head_table(path: Path) -> int:
             node.output[0] = out
     if not dead:
         return 0
-    kept = [n for n in model.graph.node if n.name not in dead]
-    del model.graph.node[:]
-    model.graph.node.extend(topological(kept))
-    onnx.save(model, str(path))
+    save_without(model, dead, path)
     return saved
 
 
@@ -164,6 +161,15 @@ def _gather_scaled(model: onnx.ModelProto, node, copy: str, out: str, inits: dic
     model.graph.node.append(helper.make_node("Mul", [cast, picked if per_entry else scale], [out],
                                              name=f"{base}_lookup_Mul"))  # (d, b, l) x (b, l)
     return True
+
+
+def save_without(model: onnx.ModelProto, dead: set[str], path: Path) -> None:
+    """Write `model` to `path` without the nodes named in `dead`, the others in topological order (a rewrite appends
+    its new nodes at the end)."""
+    kept = [n for n in model.graph.node if n.name not in dead]
+    del model.graph.node[:]
+    model.graph.node.extend(topological(kept))
+    onnx.save(model, str(path))
 
 
 def topological(nodes: list) -> list:
@@ -240,8 +246,5 @@ def gather_int8_rows(path: Path) -> int:
         dead.add(dq.name)
     if not dead:
         return 0
-    kept = [n for n in model.graph.node if n.name not in dead]
-    del model.graph.node[:]
-    model.graph.node.extend(topological(kept))
-    onnx.save(model, str(path))
+    save_without(model, dead, path)
     return len(dead)

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from t5compress.quantize.graphs import graph_index, topological
+from t5compress.quantize.graphs import graph_index, save_without
 from t5compress.runtime.sessions import load_onnx
 
 
@@ -31,32 +31,22 @@ def per_token_int8(path: Path, names: list[str], weight_max: int = 127) -> list[
     rewritten (a node already quantized, or whose weight another node shares, is left)."""
     model = load_onnx(str(path))
     inits, _, users = graph_index(model)
-    done, dead = [], set()
+    done = []
     for node in list(model.graph.node):
-        if node.name not in names or node.op_type != "MatMul" or node.input[1] not in inits:
+        weight = node.input[1] if node.op_type == "MatMul" else None
+        if node.name not in names or weight not in inits or users.get(weight, 0) != 1:
             continue
-        if users.get(node.input[1], 0) != 1:
-            continue
-        w = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)  # (d_in, d_out)
-        model.graph.node.extend(_subgraph(model, node, w, weight_max))
-        dead.add(node.name)
+        model.graph.node.extend(_subgraph(model, node, numpy_helper.to_array(inits[weight]), weight_max))
+        model.graph.initializer.remove(inits[weight])
         done.append(node.name)
-    if not dead:
-        return []
-    weights = {n.input[1] for n in model.graph.node if n.name in dead}
-    kept_inits = [t for t in model.graph.initializer if t.name not in weights]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept_inits)
-    kept = [n for n in model.graph.node if n.name not in dead]
-    del model.graph.node[:]
-    model.graph.node.extend(topological(kept))
-    onnx.save(model, str(path))
+    if done:
+        save_without(model, set(done), path)
     return done
 
 
 def _subgraph(model: onnx.ModelProto, node, w: np.ndarray, weight_max: int) -> list:
     """The nodes (and, added to `model`, the initializers) computing `node`'s output per token in int8."""
-    x, y = node.input[0], node.output[0]
+    x, y, w = node.input[0], node.output[0], w.astype(np.float32)  # w: (d_in, d_out)
     p = node.name.rsplit("/", 1)[0] + "/per_token_"
     w_scale = (np.maximum(np.abs(w).max(axis=0), 1e-12) / weight_max).astype(np.float32)  # (d_out,)
     consts = {"w_int8": np.clip(np.round(w / w_scale), -weight_max, weight_max).astype(np.int8), "w_scale": w_scale,
