@@ -65,10 +65,12 @@ def test_logits_processors_match_transformers():
     assert banned_ngram_tokens(np.array([[5, 6, 5, 6, 5, 6]]), 3) == [[5, 5]]
 
 
-def test_chunked_topk_equals_a_full_stable_sort_including_ties():
+def test_topk_equals_a_full_stable_sort_including_ties():
     from t5compress.runtime.search import topk
 
     rng = np.random.default_rng(0)
+    small = np.array([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0, 2.0]], dtype=np.float32)  # beam search's 2k candidates
+    assert topk(small, 4).tolist() == [[1, 3, 2, 4]]  # the tie across the cut keeps the lower indices
     for shape, k in [((8, 4 * 32128), 8), ((6, 32100), 4), ((2, 2049), 3)]:
         x = rng.standard_normal(shape).astype(np.float32)
         x[0, 5] = x[0, 7] = x[0, 3000 % shape[1]] = x[0].max() + 1  # a three-way tie at the top

@@ -97,6 +97,8 @@ def _log_softmax_session():
 
 def topk(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest entries per row of (rows, n), best first (ties: lower index first)."""
+    if x.shape[1] <= _CHUNK:  # beam search's 2k candidates: one small sort beats partitioning first
+        return np.argsort(-x, axis=1, kind="stable")[:, :k]
     if x.shape[1] >= _CHUNKED_MIN and k <= 64:
         return _topk_chunked(x, k)
     if k < x.shape[1]:
@@ -171,23 +173,28 @@ def beam_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: Specia
     fin = _Finished(run_seqs.copy(), k)
     improvable = np.ones((batch, 1), dtype=bool)  # can a live beam still beat the worst finished one?
     offsets = np.arange(batch)[:, None] * k  # (batch, 1): flat row of beam 0 of each input
+    inputs = np.arange(batch)[:, None]  # (batch, 1): row index for picking per input with (batch, n) indices
     eos = np.array(tok.eos, dtype=np.int64)
     cur = 1
     while True:
         cand_scores, cand, vocab = _candidates(decoder, run_seqs[:, :, :cur], run_scores, k2, s, tok)
-        parents, tokens = cand // vocab, cand % vocab
-        cand_seqs = np.take_along_axis(run_seqs, parents[:, :, None], axis=1)  # (batch, 2k, max_len)
-        cand_seqs[:, :, cur] = tokens
-        hits = np.isin(tokens, eos) | (cur + 1 >= max_len)  # (batch, 2k): candidate ends here
+        parents, tokens = cand // vocab, cand % vocab  # (batch, 2k) each
+        hits = (tokens[:, :, None] == eos).any(axis=-1) | (cur + 1 >= max_len)  # (batch, 2k): candidate ends here
 
         # Next live beams: the best k candidates that did not just end.
         live_scores = cand_scores + hits.astype(np.float32) * NEG
         keep = topk(live_scores, k)  # (batch, k) into 2k
-        run_seqs = np.take_along_axis(cand_seqs, keep[:, :, None], axis=1)
-        run_scores = np.take_along_axis(live_scores, keep, axis=1)
-        fin.update(cand_seqs, cand_scores, hits & top_k_mask, improvable, cur, s)
+        ended = hits & top_k_mask
+        if ended.any():  # only then can the finished set change (see _Finished.update)
+            cand_seqs = run_seqs[inputs, parents]  # (batch, 2k, max_len)
+            cand_seqs[:, :, cur] = tokens
+            fin.update(cand_seqs, cand_scores, ended, improvable, cur, s)
+        kept_parents = parents[inputs, keep]  # (batch, k)
+        run_seqs = run_seqs[inputs, kept_parents]  # a copy: rows may repeat
+        run_seqs[:, :, cur] = tokens[inputs, keep]
+        run_scores = live_scores[inputs, keep]
 
-        decoder.reorder((np.take_along_axis(parents, keep, axis=1) + offsets).reshape(-1))
+        decoder.reorder((kept_parents + offsets).reshape(-1))
         cur += 1
         improvable = _improvable(improvable, run_scores, fin, cur, s)
         all_full = bool(fin.done.all()) and s.early_stopping is True
@@ -215,7 +222,7 @@ def _candidates(decoder: Decoder, seqs: np.ndarray, run_scores: np.ndarray, k2: 
     logp = process_scores(log_softmax(logits), seqs.reshape(batch * k, cur), s, tok)
     logp = (logp.reshape(batch, k, vocab) + run_scores[:, :, None]).reshape(batch, k * vocab)
     cand = topk(logp, k2)  # (batch, 2k) into beams*vocab
-    return np.take_along_axis(logp, cand, axis=1), cand, vocab
+    return logp[np.arange(batch)[:, None], cand], cand, vocab
 
 
 class _Finished:
@@ -230,7 +237,10 @@ class _Finished:
         self.k = k
 
     def update(self, cand_seqs, cand_scores, ended, improvable, cur: int, s: GenerationSettings) -> None:
-        """Merge this step's ended top-k candidates into the finished set (transformers' float32 arithmetic)."""
+        """Merge this step's ended top-k candidates into the finished set (transformers' float32 arithmetic).
+
+        A step where none ended changes nothing (every candidate gets + NEG, at best ties an empty slot and loses
+        to it, the lower index): beam search skips the call then."""
         scores = cand_scores / np.float32(cur**s.length_penalty)  # each candidate has generated `cur` tokens
         full = self.done.all(axis=-1, keepdims=True) & (s.early_stopping is True)
         scores = scores + full.astype(np.float32) * NEG
