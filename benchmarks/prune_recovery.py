@@ -14,6 +14,7 @@ step count, all from the same trained model, scored on the same held-out sentenc
   kd-lr2e-3       kd at lr 2e-3 (kd-lr4e-3: at 4e-3)
   kd-layers       kd + every block's output matched to the teacher's (layer-wise distillation), lr 5e-4
   kd-layers-lr    kd-layers at lr 2e-3: the new default of `prune --recover-data` and `recover`
+  kd-layers-lr1e-3  kd-layers at lr 1e-3
   iter2           two pruning steps (25% then to 50%), each followed by half the recovery steps (kd-layers-lr)
 
     .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --steps 300
@@ -45,6 +46,7 @@ METHODS: dict[str, tuple[dict, int]] = {
     "kd-lr4e-3": ({"distill": True, "lr": 4e-3}, 1),
     "kd-layers": ({"distill": True, "lr": 5e-4, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "kd-layers-lr": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
+    "kd-layers-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "iter2": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 2),
 }
 
