@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Annotated
 
@@ -18,29 +19,41 @@ from t5compress.train.distill import DistillConfig as K
 from t5compress.train.loop import TrainConfig as T
 
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted recovery from its checkpoint.")]
-Distill = Annotated[bool, typer.Option("--distill/--no-distill", help=_h(R, "distill"))]
-Temperature = Annotated[float, typer.Option(help=_h(K, "temperature"))]
-Alpha = Annotated[float, typer.Option(help=_h(K, "alpha"))]
-HiddenWeight = Annotated[float, typer.Option(help=_h(K, "hidden_weight"))]
-HiddenLayers = Annotated[str, typer.Option(help=_h(K, "hidden_layers"))]
-Lr = Annotated[float, typer.Option("--lr", help="Peak learning rate of recovery (higher than fine-tuning's: "
-                                                "measured best for a pruned model).")]
-BatchSize = Annotated[int, typer.Option("--batch-size", help=_h(T, "batch_size"))]
-EvalEvery = Annotated[int, typer.Option("--eval-every", help=_h(T, "eval_every"))]
-Seed = Annotated[int, typer.Option("--seed", help=_h(T, "seed"))]
 Teacher = Annotated[str | None, typer.Option("--teacher", help=_h(R, "teacher"))]
 
 
-def _recover_cfg(data: str, eval_data: str | None, steps: int, distill: bool, teacher: str | None, temperature: float,
-                 alpha: float, hidden_weight: float, hidden_layers: str, lr: float, batch_size: int, eval_every: int,
-                 seed: int) -> R:
-    train = T(max_steps=steps, lr=lr, batch_size=batch_size, eval_every=eval_every, metric="loss", seed=seed)
-    kd = K(temperature=temperature, alpha=alpha, hidden_weight=hidden_weight, hidden_layers=hidden_layers)
-    return R(data=data, eval_data=eval_data, distill=distill, teacher=teacher, kd=kd, train=train)
+def _option(name: str, kind: type, default, help_: str, flag: str | None = None) -> inspect.Parameter:
+    option = typer.Option(flag, help=help_) if flag else typer.Option(help=help_)
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option])
+
+
+# The recovery options `prune --recover-data` and `recover` share; both receive them in **opts.
+RECOVERY_OPTIONS = [
+    _option("distill", bool, _d(R, "distill"), _h(R, "distill"), "--distill/--no-distill"),
+    _option("temperature", float, RECOVER_KD.temperature, _h(K, "temperature")),
+    _option("alpha", float, RECOVER_KD.alpha, _h(K, "alpha")),
+    _option("hidden_weight", float, RECOVER_KD.hidden_weight, _h(K, "hidden_weight")),
+    _option("hidden_layers", str, RECOVER_KD.hidden_layers, _h(K, "hidden_layers")),
+    _option("lr", float, RECOVER_LR, "Peak learning rate of recovery: 2e-3 was best for a d_model 128 model, 5e-4 "
+                                     "for a d_model 256 one (docs/prune.md); give wider models less."),
+    _option("batch_size", int, RECOVER_BATCH, _h(T, "batch_size")),
+    _option("eval_every", int, 50, _h(T, "eval_every")),
+    _option("seed", int, 0, _h(T, "seed")),
+]
+
+
+def _recover_cfg(data: str, eval_data: str | None, steps: int, teacher: str | None, opts: dict) -> R:
+    """The recovery config from the shared options, popped from `opts`."""
+    o = {p.name: opts.pop(p.name) for p in RECOVERY_OPTIONS}
+    train = T(max_steps=steps, lr=o["lr"], batch_size=o["batch_size"], eval_every=o["eval_every"], metric="loss",
+              seed=o["seed"])
+    kd = K(temperature=o["temperature"], alpha=o["alpha"], hidden_weight=o["hidden_weight"],
+           hidden_layers=o["hidden_layers"])
+    return R(data=data, eval_data=eval_data, distill=o["distill"], teacher=teacher, kd=kd, train=train)
 
 
 @command
-@with_options(field_options(P, skip=("calib_data", "eval_data", "recover")))
+@with_options(field_options(P, skip=("calib_data", "eval_data", "recover")), RECOVERY_OPTIONS)
 def prune(
     model: ModelDir,
     out: OutDir,
@@ -48,15 +61,6 @@ def prune(
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(P, "eval_data"))] = None,
     recover_data: Annotated[str | None, typer.Option(help="Recovery data; recovery runs when given.")] = None,
     recover_steps: Annotated[int, typer.Option(help="Recovery optimizer steps.")] = RECOVER_STEPS,
-    distill: Distill = _d(R, "distill"),
-    temperature: Temperature = RECOVER_KD.temperature,
-    alpha: Alpha = RECOVER_KD.alpha,
-    hidden_weight: HiddenWeight = RECOVER_KD.hidden_weight,
-    hidden_layers: HiddenLayers = RECOVER_KD.hidden_layers,
-    lr: Lr = RECOVER_LR,
-    batch_size: BatchSize = RECOVER_BATCH,
-    eval_every: EvalEvery = 50,
-    seed: Seed = 0,
     resume: Resume = False,
     force: Force = False,
     **opts,
@@ -65,41 +69,30 @@ def prune(
     optionally recover (by default distilling from the unpruned model, logits and every block's output)."""
     run = stage("prune").runner()
 
-    recover = None
-    if recover_data is not None:
-        recover = _recover_cfg(recover_data, None, recover_steps, distill, None, temperature, alpha, hidden_weight,
-                               hidden_layers, lr, batch_size, eval_every, seed)
+    recover = _recover_cfg(recover_data, None, recover_steps, None, opts) if recover_data is not None else None
     cfg = config_from(P, opts, calib_data=calib_data, eval_data=eval_data, recover=recover)
     report = run(model, cfg, Path(out), force=force, resume=resume)
     print_prune_report(report, out)
 
 
 @command
+@with_options(RECOVERY_OPTIONS)
 def recover(
     model: Annotated[str, typer.Argument(help="A pruned model directory.")],
     out: OutDir,
     data: Annotated[str, typer.Option("--data", help=_h(R, "data"))],
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(R, "eval_data"))] = None,
     steps: Annotated[int, typer.Option("--steps", help="Recovery optimizer steps.")] = RECOVER_STEPS,
-    distill: Distill = _d(R, "distill"),
     teacher: Teacher = None,
-    temperature: Temperature = RECOVER_KD.temperature,
-    alpha: Alpha = RECOVER_KD.alpha,
-    hidden_weight: HiddenWeight = RECOVER_KD.hidden_weight,
-    hidden_layers: HiddenLayers = RECOVER_KD.hidden_layers,
-    lr: Lr = RECOVER_LR,
-    batch_size: BatchSize = RECOVER_BATCH,
-    eval_every: EvalEvery = 50,
-    seed: Seed = 0,
     resume: Resume = False,
     force: Force = False,
+    **opts,
 ) -> None:
     """Fine-tune a pruned model to win back accuracy, by default distilling from the unpruned teacher (logits and
     every block's output)."""
     run = stage("recover").runner()
 
-    cfg = _recover_cfg(data, eval_data, steps, distill, teacher, temperature, alpha, hidden_weight, hidden_layers, lr,
-                       batch_size, eval_every, seed)
+    cfg = _recover_cfg(data, eval_data, steps, teacher, opts)
     report = run(model, cfg, Path(out), force=force, resume=resume)
     from rich.table import Table
 
