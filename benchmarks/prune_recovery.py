@@ -13,9 +13,11 @@ step count, all from the same trained model, scored on the same held-out sentenc
   kd              + logit distillation from the unpruned model (KL, T=2, alpha 0.5), lr 5e-4: the old `--distill`
   kd-lr2e-3       kd at lr 2e-3 (kd-lr4e-3: at 4e-3)
   kd-layers       kd + every block's output matched to the teacher's (layer-wise distillation), lr 5e-4
-  kd-layers-lr    kd-layers at lr 2e-3: the new default of `prune --recover-data` and `recover`
-  kd-layers-lr1e-3  kd-layers at lr 1e-3
+  kd-layers-lr    kd-layers at lr 2e-3: the default of `prune --recover-data` and `recover` up to d_model 128
+  kd-layers-lr1e-3  kd-layers at lr 1e-3: the default at d_model 256 (2e-3 x 128 / d_model)
   iter2           two pruning steps (25% then to 50%), each followed by half the recovery steps (kd-layers-lr)
+  kd-layers-a0.9-lr1e-3  kd-layers-lr1e-3 with the KL term weighted 0.9 (cross-entropy 0.1) at temperature 1
+  kd-layers-h4-lr1e-3    kd-layers-lr1e-3 with the layer-wise term weighted 4
 
     .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --steps 300
     .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --methods kd-layers-lr --steps 600 \
@@ -48,6 +50,9 @@ METHODS: dict[str, tuple[dict, int]] = {
     "kd-layers-lr": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "kd-layers-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "iter2": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 2),
+    "kd-layers-a0.9-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0,
+                               "alpha": 0.9, "temperature": 1.0}, 1),
+    "kd-layers-h4-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 4.0}, 1),
 }
 
 
@@ -89,10 +94,11 @@ def recover_cfg(train: Path, steps: int, kw: dict, seed: int):
     from t5compress.train.distill import DistillConfig
     from t5compress.train.loop import TrainConfig
 
-    kd = DistillConfig(hidden_weight=kw.get("hidden_weight", 0.0), hidden_layers=kw.get("hidden_layers", "last"))
+    kd = DistillConfig(hidden_weight=kw.get("hidden_weight", 0.0), hidden_layers=kw.get("hidden_layers", "last"),
+                       alpha=kw.get("alpha", 0.5), temperature=kw.get("temperature", 2.0))
     t = TrainConfig(max_steps=steps, batch_size=32, lr=kw["lr"], metric="loss", eval_every=max(1, steps // 3),
                     eval_max_examples=100, seed=seed)
-    return RecoverConfig(data=str(train), distill=kw["distill"], kd=kd, train=t,
+    return RecoverConfig(data=str(train), distill=kw["distill"], kd=kd, train=t, lr_per_width=False,
                          data_cfg=DataConfig(max_source_length=48, max_target_length=48))
 
 

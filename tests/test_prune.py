@@ -17,8 +17,9 @@ from t5compress.model import units
 from t5compress.model.load import load_model
 from t5compress.prune import PruneConfig, run
 from t5compress.prune.importance import SCORES
-from t5compress.prune.recover import RecoverConfig
+from t5compress.prune.recover import RecoverConfig, recovery_lr
 from t5compress.prune.schedule import SCHEDULES, Targets, apply_plan
+from t5compress.train.loop import TrainConfig
 
 torch.set_num_threads(1)
 runner = CliRunner()
@@ -253,17 +254,24 @@ def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
     return root / "trained"
 
 
+def test_recovery_lr_falls_with_width_unless_given():
+    rec = RecoverConfig(data="x.jsonl")
+    assert [recovery_lr(rec, d) for d in (64, 128, 256, 512)] == [2e-3, 2e-3, 1e-3, 5e-4]
+    given = RecoverConfig(data="x.jsonl", train=TrainConfig(max_steps=9, lr=3e-4), lr_per_width=False)
+    assert recovery_lr(given, 512) == recovery_lr(given, 64) == 3e-4
+
+
 STEPS = 160  # recovery steps of the test below
 
 
 @pytest.mark.slow
 def test_default_recovery_wins_back_most_of_what_pruning_lost(trained_dir, demo_jsonl, tmp_path):
-    """RecoverConfig's defaults (logit + layer-wise distillation, lr 2e-3), only shorter, against the old default
-    (cross-entropy at lr 5e-4) with the same steps, on a model of real but imperfect skill."""
+    """RecoverConfig's defaults (logit + layer-wise distillation, lr 2e-3 at this width), only shorter, against the old
+    default (cross-entropy at lr 5e-4) with the same steps, on a model of real but imperfect skill."""
     import dataclasses
 
     rec = RecoverConfig(data=str(demo_jsonl), data_cfg=DataConfig(max_target_length=48))
-    assert rec.distill and rec.kd.hidden_layers == "all" and rec.train.lr == 2e-3
+    assert rec.distill and rec.kd.hidden_layers == "all" and recovery_lr(rec, 64) == 2e-3
     short = dataclasses.replace(rec.train, max_steps=STEPS, batch_size=16, eval_every=STEPS, eval_max_examples=24)
     old = dataclasses.replace(short, lr=5e-4)
     evals = {}
@@ -297,12 +305,14 @@ def test_cli_prune_with_recovery_then_recover_again(tiny_model_dir, demo_jsonl, 
     assert "before" in out and "pruned" in out and "recovered" in out and "plain Hugging Face dir" in out
     report = json.loads((tmp_path / "p" / "report.json").read_text())
     assert report["model"]["num_heads"] == 2 and report["recovery"]["train"]["steps"] == 4
+    assert report["recovery"]["lr"] == 2e-3  # the default at d_model <= 128
     assert not (tmp_path / "p.partial").exists()
     # Recover later as its own command; the teacher defaults to the parent recorded in t5compress.json.
     out = _ok(["recover", str(tmp_path / "p"), str(tmp_path / "r"), "--data", str(demo_jsonl), "--steps", "3",
-               "--distill", "--hidden-weight", "0.1", "--eval-every", "3", "--batch-size", "8"])
+               "--distill", "--hidden-weight", "0.1", "--eval-every", "3", "--batch-size", "8", "--lr", "3e-3"])
     assert "3 steps" in out
     report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["lr"] == 3e-3  # a rate given is used as given
     assert report["teacher"] == str(Path(tiny_model_dir).resolve()) and report["model"]["num_heads"] == 2
 
 

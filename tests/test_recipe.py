@@ -67,7 +67,8 @@ def test_shipped_recipes_say_what_the_issue_asks():
     flan = recipe.load(ROOT / "recipes" / "flan-t5-gated-wo-fp32.yaml")
     assert "wo" in flan.stage("int8").config.keep_fp32
     el2 = recipe.load(ROOT / "recipes" / "t5-efficient-small-el2-pruned-int8.yaml")
-    assert el2.stage("pruned").config.recover is not None
+    rec = el2.stage("pruned").config.recover
+    assert rec is not None and rec.train.lr == 1e-3 and not rec.lr_per_width  # a recipe's rate is taken as given
     assert [s.kind.name for s in el2.stages].count("quantize") >= 1
 
 

@@ -11,7 +11,7 @@ import typer
 from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, console, field_options, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
-from t5compress.prune.recover import RECOVER_BATCH, RECOVER_KD, RECOVER_LR, RECOVER_STEPS
+from t5compress.prune.recover import RECOVER_BATCH, RECOVER_KD, RECOVER_LR, RECOVER_LR_WIDTH, RECOVER_STEPS
 from t5compress.prune.recover import RecoverConfig as R
 from t5compress.prune.stage import PruneConfig as P
 from t5compress.stages import stage
@@ -34,8 +34,9 @@ RECOVERY_OPTIONS = [
     _option("alpha", float, RECOVER_KD.alpha, _h(K, "alpha")),
     _option("hidden_weight", float, RECOVER_KD.hidden_weight, _h(K, "hidden_weight")),
     _option("hidden_layers", str, RECOVER_KD.hidden_layers, _h(K, "hidden_layers")),
-    _option("lr", float, RECOVER_LR, "Peak learning rate of recovery: 2e-3 was best for a d_model 128 model, 5e-4 "
-                                     "for a d_model 256 one (docs/prune.md); give wider models less."),
+    _option("lr", float | None, None, f"Peak learning rate of recovery; default {RECOVER_LR:g} up to d_model "
+                                       f"{RECOVER_LR_WIDTH}, x {RECOVER_LR_WIDTH} / d_model above (1e-3 at 256, "
+                                       "5e-4 at 512), as measured best (docs/prune.md)."),
     _option("batch_size", int, RECOVER_BATCH, _h(T, "batch_size")),
     _option("eval_every", int, 50, _h(T, "eval_every")),
     _option("seed", int, 0, _h(T, "seed")),
@@ -45,11 +46,13 @@ RECOVERY_OPTIONS = [
 def _recover_cfg(data: str, eval_data: str | None, steps: int, teacher: str | None, opts: dict) -> R:
     """The recovery config from the shared options, popped from `opts`."""
     o = {p.name: opts.pop(p.name) for p in RECOVERY_OPTIONS}
-    train = T(max_steps=steps, lr=o["lr"], batch_size=o["batch_size"], eval_every=o["eval_every"], metric="loss",
+    lr = RECOVER_LR if o["lr"] is None else o["lr"]
+    train = T(max_steps=steps, lr=lr, batch_size=o["batch_size"], eval_every=o["eval_every"], metric="loss",
               seed=o["seed"])
     kd = K(temperature=o["temperature"], alpha=o["alpha"], hidden_weight=o["hidden_weight"],
            hidden_layers=o["hidden_layers"])
-    return R(data=data, eval_data=eval_data, distill=o["distill"], teacher=teacher, kd=kd, train=train)
+    return R(data=data, eval_data=eval_data, distill=o["distill"], teacher=teacher, kd=kd, train=train,
+             lr_per_width=o["lr"] is None)
 
 
 @command

@@ -8,8 +8,8 @@ Also called by the `prune` stage (`PruneConfig.recover`), with the in-memory unp
 The defaults are what won back the most in `benchmarks/prune_recovery.py` (a 4+4-layer T5 at real but imperfect
 skill, 50% of heads and FFN channels removed; table in benchmarks/results/prune_recovery.md): distillation from the
 unpruned teacher on logits and on every block's output, at a peak learning rate of 2e-3, batches of 32, 600 steps:
-0.6% below the unpruned model's ROUGE-L over three seeds, where plain fine-tuning at 5e-4 (the old default) ended
-4.4% below with as many steps, and 11.8% with 300.
+at d_model 128, 0.6% below the unpruned model's ROUGE-L over three seeds, where plain fine-tuning at 5e-4 (the old
+default) ended 4.4% below with as many steps, and 11.8% with 300. Wider models get a lower rate (`recovery_lr`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from t5compress.train.loop import EvalSet, TrainConfig
 log = logging.getLogger(__name__)
 
 # Recovery's own defaults (measured: see the module docstring); `train`'s fine-tuning defaults are not recovery's.
-RECOVER_LR = 2e-3
+RECOVER_LR = 2e-3  # peak learning rate up to d_model RECOVER_LR_WIDTH; wider models get less (recovery_lr)
+RECOVER_LR_WIDTH = 128
 RECOVER_STEPS = 600
 RECOVER_BATCH = 32
 RECOVER_KD = DistillConfig(hidden_weight=1.0, hidden_layers="all")
@@ -48,10 +49,23 @@ class RecoverConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=RECOVER_STEPS, lr=RECOVER_LR,
                                                                    batch_size=RECOVER_BATCH, metric="loss"),
                                metadata={"help": "Optimisation settings (max_steps: recovery steps)."})
+    lr_per_width: bool = option(True, "Take train.lr as the rate for d_model <= 128 and scale it by 128 / d_model "
+                                      "on wider models (off: train.lr as given; the CLI turns it off with --lr).")
 
     def __post_init__(self) -> None:
         require(bool(self.data), "data", "give recovery data")
         require(self.train.max_steps > 0, "recover_steps", f"must be > 0, got {self.train.max_steps}")
+
+
+def recovery_lr(cfg: RecoverConfig, d_model: int) -> float:
+    """The peak learning rate recovery runs at on a model of width `d_model`.
+
+    Adam's usable step falls with width (as muP scales it, by 1 / width): at d_model 128 2e-3 won back the most, at
+    256 it lost 13.9% where 1e-3 lost 5.3% over three seeds (5e-4: 5.8%; benchmarks/results/prune_recovery_d256.md),
+    so the default is 2e-3 up to d_model 128 and 2e-3 x 128 / d_model above (t5-small: 5e-4)."""
+    if not cfg.lr_per_width:
+        return cfg.train.lr
+    return cfg.train.lr * min(1.0, RECOVER_LR_WIDTH / d_model)
 
 
 def recover_model(model, tokenizer, teacher, cfg: RecoverConfig, work: Path, resume: bool = False,
@@ -66,11 +80,12 @@ def recover_model(model, tokenizer, teacher, cfg: RecoverConfig, work: Path, res
     train_enc, eval_enc = encode(train_ex, tokenizer, cfg.data_cfg), encode(eval_ex, tokenizer, cfg.data_cfg)
     max_new = cfg.train.eval_max_new_tokens or max(len(x) for x in eval_enc.labels)
     loss_fn = distill_loss(teacher, cfg.kd) if cfg.distill else None
-    summary = fit(model, tokenizer, train_enc, EvalSet(eval_ex, eval_enc, max_new), cfg.train, work, resume,
+    train = dataclasses.replace(cfg.train, lr=recovery_lr(cfg, model.config.d_model))
+    summary = fit(model, tokenizer, train_enc, EvalSet(eval_ex, eval_enc, max_new), train, work, resume,
                   loss_fn=loss_fn, progress=progress, on_step=on_step, label="recover",
                   lower_with="--batch-size, --recover-steps (recover: --steps)")
     best = load_best(work, model)
-    return {"train": summary, "best": best and {k: v for k, v in best.items() if k != "samples"},
+    return {"train": summary, "lr": train.lr, "best": best and {k: v for k, v in best.items() if k != "samples"},
             "distill": dataclasses.asdict(cfg.kd) if cfg.distill else None, "data": stats}
 
 

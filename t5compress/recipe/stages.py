@@ -203,6 +203,8 @@ def _build_prune(where: str, s: dict, i: Inputs):
             rec = {}
         if not isinstance(rec, dict):
             raise schema.RecipeError(f"{where}.recover: expected a mapping of recovery settings or true, got {rec!r}")
+        if "lr" in rec:  # a rate the recipe gives is taken as given, as the CLI's --lr
+            rec = {"lr_per_width": False, **rec}
         flatten = _recover_flatten()
         schema.check_keys(f"{where}.recover", rec, schema.flat_keys(RecoverConfig, flatten))
         read = {k: v for k, v in s.items() if k in schema.flat_keys(DataConfig, {})}  # read the data as prune does
