@@ -148,7 +148,8 @@ def _int8_rows(report: dict) -> list[tuple[str, str]]:
     """What `quantize` measured: mode, size against fp32, agreement with fp32, task metrics side by side."""
     if report.get("stage") != "quantize":
         return []
-    how = report["mode"] + (f", {report['method']}, {report['format']}" if report["mode"] == "static" else "")
+    how = report["mode"] + (f", {report['method']}, {report['format']}" if report["mode"] == "static" else
+                            f", blocks of {report['block_size']}" if report["mode"] == "blockwise" else "")
     size, check = report["size"], report["check"]
     rows = [("int8", how),
             ("size vs fp32", f"{_human(size['int8_bytes'])} vs {_human(size['fp32_bytes'])} ({size['ratio']:.2f}x)"),
@@ -156,6 +157,8 @@ def _int8_rows(report: dict) -> list[tuple[str, str]]:
                                     f"{check['greedy_agreement']:.2%} ({check['texts']} {check['on']})")]
     ev = report.get("eval")
     if ev:
+        if "greedy_agreement" in ev:  # older reports have only the metrics
+            rows.append(("greedy outputs = fp32", f"{ev['greedy_agreement']:.1%} of {ev['examples']} eval examples"))
         for k in ("exact_match", "rougeL", "bleu"):
             rows.append((f"{k} fp32 → int8", f"{ev['fp32'][k]} → {ev['int8'][k]} ({ev['examples']} examples)"))
     return rows

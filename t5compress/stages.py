@@ -50,7 +50,7 @@ STAGES: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("export", "t5compress.export.stage", "ExportConfig", "model", "onnx-export",
               "ONNX or TorchScript graphs, verified against PyTorch"),
     StageSpec("quantize", "t5compress.quantize.stage", "QuantizeConfig", "onnx-export", "onnx-export",
-              "int8 of an ONNX export (static, dynamic, accuracy-aware)"),
+              "int8 of an ONNX export (static, dynamic, block-wise, accuracy-aware)"),
     StageSpec("triton", "t5compress.triton.stage", "TritonConfig", "onnx-export", "triton-repository",
               "a Triton Inference Server model repository"),
     StageSpec("serve", "t5compress.triton.serve", "ServeConfig", "triton-repository", None,

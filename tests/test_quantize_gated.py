@@ -171,3 +171,12 @@ def test_cli_prints_the_sensitivity_and_info_shows_the_table(gated_export, demo_
     res = runner.invoke(app, ["quantize", str(gated_export), str(tmp_path / "d"), "--dynamic",
                               "--keep-fp32", "sensitive"])
     assert res.exit_code == 2 and "keep_fp32" in res.output and not (tmp_path / "d").exists()
+
+
+def test_blockwise_takes_a_gated_models_wo_and_lm_head_blockwise_too(gated_export, tmp_path):
+    """A scale per 32 channels takes `wo`'s outliers: nothing is kept fp32 or per-token, unlike static's auto."""
+    r = run(gated_export, QuantizeConfig(mode="blockwise", min_agreement=0.5), tmp_path / "b", progress=False)
+    graph = onnx.load(str(tmp_path / "b" / "decoder_with_past_model.onnx")).graph
+    blockwise = {n.name.removesuffix("_Q8") for n in graph.node if n.op_type == "MatMulNBits"}
+    assert {"/decoder/block.0/layer.2/DenseReluDense/wo/MatMul", "/lm_head/MatMul"} <= blockwise, sorted(blockwise)
+    assert all(not g["kept_fp32"] and not g["per_token"] for g in r["graphs"].values() if isinstance(g, dict))

@@ -515,3 +515,23 @@ def test_serve_cli_prints_endpoints_answers_and_stops_on_ctrl_c(export_dir, loca
     assert "tritonserver stopped (exit code 0)" in rest
     with pytest.raises(ProcessLookupError):
         os.kill(server_pid, 0)
+
+
+@pytest.mark.slow
+def test_a_blockwise_int8_export_serves_what_the_local_runtime_generates(export_dir, tmp_path):
+    """Block-wise int8 (MatMulNBits) packages and serves like any export: the server's ONNX Runtime runs it."""
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize import run as quantize
+    from t5compress.runtime import load_runtime
+    from t5compress.triton.client import generate
+
+    int8 = tmp_path / "int8"
+    quantize(export_dir, QuantizeConfig(mode="blockwise", min_agreement=0.5), int8, progress=False)
+    assert any(n.op_type == "MatMulNBits" for n in onnx.load(str(int8 / "decoder_with_past_model.onnx")).graph.node)
+    run(int8, TritonConfig(name="t5", max_batch_size=8, max_input_tokens=40), tmp_path / "repo")
+    running = start(find_server(), tmp_path / "repo", Ports.free(), log_path=tmp_path / "server.log")
+    try:
+        got = generate(running.http_url, "t5", TEXTS[:4], max_new_tokens=12)
+    finally:
+        assert running.stop() == 0
+    assert got == [[t] for t in load_runtime(int8).generate_text(TEXTS[:4], max_new_tokens=12)]

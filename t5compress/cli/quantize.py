@@ -1,4 +1,4 @@
-"""`t5compress quantize EXPORT_DIR OUT --static --calib-data FILE` or `--dynamic`."""
+"""`t5compress quantize EXPORT_DIR OUT --static --calib-data FILE`, `--dynamic` or `--blockwise`."""
 
 from __future__ import annotations
 
@@ -18,15 +18,19 @@ def quantize(
     out: OutDir,
     static: Annotated[bool, typer.Option("--static", help="Static int8 on --calib-data (default).")] = False,
     dynamic: Annotated[bool, typer.Option("--dynamic", help="Dynamic int8: no calibration data needed.")] = False,
+    blockwise: Annotated[bool, typer.Option("--blockwise", help="Block-wise int8 (a scale per 32 input channels of "
+                                            "weights and activations; ONNX Runtime's MatMulNBits): the closest to "
+                                            "fp32, no calibration data, slower than static at batch > 1.")] = False,
     force: Force = False,
     **opts,
 ) -> None:
-    """Quantize an ONNX export to int8 (static or dynamic), checked against fp32 before anything is written."""
+    """Quantize an ONNX export to int8 (static, dynamic or block-wise), checked against fp32 before anything is
+    written."""
     run = stage("quantize").runner()
 
-    if static and dynamic:
-        fail("choose one of --static and --dynamic")
-    cfg = config_from(Q, opts, mode="dynamic" if dynamic else "static")
+    if static + dynamic + blockwise > 1:
+        fail("choose one of --static, --dynamic and --blockwise")
+    cfg = config_from(Q, opts, mode="dynamic" if dynamic else "blockwise" if blockwise else "static")
     report = run(export_dir, cfg, out, force=force)
     print_report(report, console)
     console.print(f"int8 export → [bold]{out}[/bold]")

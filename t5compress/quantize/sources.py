@@ -36,7 +36,8 @@ def plan_for(path: Path, cfg, gated: bool):
         nodes += [n for n in embedding_nodes(model) if n not in nodes]
         op_types += ["Gather"] if "Gather" not in op_types else []
     if cfg.keep_fp32 == KEEP_AUTO:  # per-token int8 (auto) is what replaced keeping `wo` fp32 for gated models
-        keep = ffn_output_nodes(nodes) if gated and cfg.smooth_alpha == 0 and not uses_per_token(cfg) else []
+        outliers = gated and cfg.smooth_alpha == 0 and cfg.mode != "blockwise"  # a block scale takes them
+        keep = ffn_output_nodes(nodes) if outliers and not uses_per_token(cfg) else []
     elif cfg.keep_fp32 == KEEP_NONE:
         keep = []
     else:

@@ -41,13 +41,15 @@ from t5compress.quantize.sources import (
 
 log = logging.getLogger(__name__)
 
-MODES = ("static", "dynamic")
+MODES = ("static", "dynamic", "blockwise")
 
 
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    mode: str = opt("static", "static (calibrated activation ranges) or dynamic (ranges computed per call).")
+    mode: str = opt("static", "static (calibrated activation ranges), dynamic (ranges computed per call) or "
+                              "blockwise (a scale per 32 input channels, weights and activations: closest to fp32, "
+                              "slower at batch).")
     calib_data: str | None = opt(None, "Calibration texts: any data file `train` reads (its source field) or a .txt "
                                        "file with one text per line. Required for static.")
     field: str = opt("source", "Field of the calibration and eval records holding the input text.")
@@ -89,7 +91,7 @@ class QuantizeConfig:
 
     def __post_init__(self) -> None:
         require(self.mode in MODES, "mode", f"choose one of {', '.join(MODES)}")
-        require(self.mode == "dynamic" or bool(self.calib_data), "calib_data",
+        require(self.mode != "static" or bool(self.calib_data), "calib_data",
                 "static quantization needs calibration texts (--calib-data FILE), or use --dynamic")
         require(self.method in CALIBRATION_METHODS, "method", f"choose one of {', '.join(CALIBRATION_METHODS)}")
         require(self.format in FORMATS, "format", f"choose one of {', '.join(FORMATS)}")
@@ -103,6 +105,8 @@ class QuantizeConfig:
         require(0 <= self.smooth_alpha <= 1, "smooth_alpha", f"must be in [0, 1], got {self.smooth_alpha}")
         require(self.smooth_alpha == 0 or bool(self.calib_data), "smooth_alpha",
                 "smoothing measures activations: give --calib-data")
+        require(self.smooth_alpha == 0 or self.mode != "blockwise", "smooth_alpha",
+                "block-wise int8 scales each block of 32 channels itself: drop --smooth-alpha")
         require(0 <= self.target_agreement <= 1, "target_agreement",
                 f"must be in [0, 1], got {self.target_agreement}")
         require(0 <= self.min_agreement <= 1, "min_agreement", f"must be in [0, 1], got {self.min_agreement}")
@@ -204,12 +208,16 @@ def _settings(cfg: QuantizeConfig) -> dict:
          "embeddings": cfg.embeddings, "weight_max": weight_max(cfg.weight_range)}
     if cfg.mode == "static":
         s.update(method=cfg.method, samples=cfg.samples, calib_data=cfg.calib_data, per_token=cfg.per_token)
+    if cfg.mode == "blockwise":
+        from t5compress.quantize.methods import BLOCK
+
+        s.update(block_size=BLOCK, format="MatMulNBits")
     return s
 
 
 def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str] | None, progress: bool) -> dict:
     """Quantize the three graphs (smoothing first on request) into `tmp`; re-merge the decoders if `src` had it."""
-    from t5compress.quantize.methods import scratch_dir, write_dynamic
+    from t5compress.quantize.methods import scratch_dir, write_blockwise, write_dynamic
     from t5compress.quantize.pertoken import per_token_int8
 
     with scratch_dir(tmp.parent) as scratch:
@@ -236,6 +244,9 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
             plans, feeds, sensitivity = _static(src, tmp, work, sources, plans, cfg, texts, guided, progress)
             wmax = weight_max(cfg.weight_range)  # the same weight range as the static layers
             tokenwise = {g: per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], wmax) for g in GRAPHS}
+        elif cfg.mode == "blockwise":
+            for g in GRAPHS:
+                write_blockwise(sources[g], tmp / f"{g}{ONNX_SUFFIX}", plans[g])
         else:
             reduce = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
             for g in GRAPHS:
