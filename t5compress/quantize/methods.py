@@ -115,8 +115,8 @@ def write_dynamic(src: Path, dst: Path, plan: Plan, per_channel: bool, reduce_ra
         )
 
 
-BLOCK = 32  # blockwise: weights and activations share a scale per 32 input channels (96% held-out outputs kept on
-# the gated fixture; blocks of 128 kept 94%, benchmarks/results/int8_gated_blockwise.md)
+BLOCK = 32  # blockwise: weights and activations get a scale per 32 input channels (95.4% of held-out outputs kept on
+# the gated fixture, benchmarks/results/int8_gated.md; blocks of 128 kept 94.0%, docs/quantize.md)
 
 
 def write_blockwise(src: Path, dst: Path, plan: Plan) -> None:
