@@ -36,7 +36,7 @@ RECOVERY_OPTIONS = [
     _option("hidden_layers", str, RECOVER_KD.hidden_layers, _h(K, "hidden_layers")),
     _option("lr", float | None, None, f"Peak learning rate of recovery; default {RECOVER_LR:g} up to d_model "
                                        f"{RECOVER_LR_WIDTH}, x {RECOVER_LR_WIDTH} / d_model above (1e-3 at 256, "
-                                       "5e-4 at 512), as measured best (docs/prune.md)."),
+                                       "5e-4 at 512; measured at 128 and 256: docs/prune.md)."),
     _option("batch_size", int, RECOVER_BATCH, _h(T, "batch_size")),
     _option("eval_every", int, 50, _h(T, "eval_every")),
     _option("seed", int, 0, _h(T, "seed")),
