@@ -18,6 +18,8 @@ step count, all from the same trained model, scored on the same held-out sentenc
   iter2           two pruning steps (25% then to 50%), each followed by half the recovery steps (kd-layers-lr)
   kd-layers-a0.9-lr1e-3  kd-layers-lr1e-3 with the KL term weighted 0.9 (cross-entropy 0.1) at temperature 1
   kd-layers-h4-lr1e-3    kd-layers-lr1e-3 with the layer-wise term weighted 4
+  seqkd-lr1e-3    kd-layers-lr1e-3 on the unpruned model's greedy outputs as targets (sequence-level KD, Kim & Rush
+                  2016); seqkd-mix-lr1e-3: on those and the references together
 
     .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --steps 300
     .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --methods kd-layers-lr --steps 600 \
@@ -53,6 +55,10 @@ METHODS: dict[str, tuple[dict, int]] = {
     "kd-layers-a0.9-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0,
                                "alpha": 0.9, "temperature": 1.0}, 1),
     "kd-layers-h4-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 4.0}, 1),
+    "seqkd-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0,
+                      "targets": "teacher"}, 1),
+    "seqkd-mix-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0,
+                          "targets": "mix"}, 1),
 }
 
 
@@ -88,6 +94,32 @@ def train_base(out: Path, train: Path, test: Path, args) -> Path:
     return out / "base"
 
 
+def teacher_data(base: Path, train: Path, targets: str) -> Path:
+    """Recovery data for sequence-level KD: `train`'s sources with the unpruned model's greedy outputs as targets
+    ('teacher'), or those followed by `train` itself ('mix'); written once next to `train`."""
+    import torch
+
+    from t5compress.model.load import load_model, load_tokenizer
+
+    greedy = train.with_name("teacher_greedy.jsonl")
+    if not greedy.exists():
+        model, tok = load_model(base).eval(), load_tokenizer(base)
+        rows = [json.loads(line) for line in train.read_text().splitlines()]
+        outs = []
+        for i in range(0, len(rows), 64):
+            enc = tok([r["source"] for r in rows[i:i + 64]], return_tensors="pt", padding=True, truncation=True,
+                      max_length=48)
+            with torch.inference_mode():
+                outs += tok.batch_decode(model.generate(**enc, max_new_tokens=48), skip_special_tokens=True)
+        greedy.write_text("".join(json.dumps({"source": r["source"], "target": o}) + "\n"
+                                  for r, o in zip(rows, outs, strict=True)))
+    if targets == "teacher":
+        return greedy
+    mixed = train.with_name("teacher_greedy_mix.jsonl")
+    mixed.write_text(greedy.read_text() + train.read_text())
+    return mixed
+
+
 def recover_cfg(train: Path, steps: int, kw: dict, seed: int):
     from t5compress.data import DataConfig
     from t5compress.prune.recover import RecoverConfig
@@ -114,7 +146,8 @@ def prune_cfg(train: Path, test: Path, ratio: float, args, recover=None):
 def one_shot(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: dict, args) -> dict:
     from t5compress.prune import run
 
-    cfg = prune_cfg(train, test, args.ratio, args, recover_cfg(train, steps, kw, args.seed) if steps else None)
+    data = teacher_data(base, train, kw["targets"]) if kw.get("targets") else train
+    cfg = prune_cfg(train, test, args.ratio, args, recover_cfg(data, steps, kw, args.seed) if steps else None)
     r = run(str(base), cfg, dst, force=True, progress=False)
     return {"before": r["before"]["eval"], "pruned": r["after_pruning"]["eval"],
             "after": (r["after_recovery"] or r["after_pruning"])["eval"], "model": r["model"]}
