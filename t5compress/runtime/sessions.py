@@ -179,6 +179,11 @@ class OnnxGraph:
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
+def numpy_type(onnx_type: str) -> type:
+    """The numpy dtype of an ONNX Runtime float input type ('tensor(float16)' -> float16; float32 otherwise)."""
+    return _NUMPY_TYPES.get(onnx_type, np.float32)
+
+
 class MergedStep:
     """One branch of `decoder_model_merged` as a Graph with the inputs and outputs of the decoder it replaces.
 
@@ -198,7 +203,7 @@ class MergedStep:
         filled = ("encoder_hidden_states",) if with_past else past
         # (non-batch dims, dtype) of the empty tensors fed for the branch not taken; unnamed dims get length 0
         self._empty = {n: ([d if isinstance(d, int) else 0 for d in inputs[n].shape[1:]],
-                           _NUMPY_TYPES.get(inputs[n].type, np.float32)) for n in filled}
+                           numpy_type(inputs[n].type)) for n in filled}
         skip = {*filled, USE_CACHE_BRANCH}
         self.input_names = tuple(n for n in merged.input_names if n not in skip)
         self.output_names = tuple(n for n in merged.output_names if not (with_past and ".encoder." in n))
