@@ -2,13 +2,14 @@
 
 At one to four rows a with-past step is a chain of matrix-vector products and small nodes, each too short for a
 second thread to pay for handing it work. On the 2-vCPU development VMs flan-t5-small static int8 took 118 ms per
-greedy call at batch 1 with its steps on one thread against 134 ms on two (beam 4: 189 against 203 ms), while at 8
-rows two threads won (293 against 322 ms) and an fp32 export gained from two threads at every size (b1 greedy: 233
-ms on two, 266 with the steps on one). So which way a model goes on a machine is measured, not assumed: when a
-runtime opens an ONNX export with more than one thread on the CPU, a second, one-thread session of decoder_with_past
-is timed against the first on the same one-row step and kept, for steps of up to `FEW_ROWS` rows, only when it takes
-under `MARGIN` of the pool's time; otherwise it is closed at once. It holds the with-past weights a second time
-(flan-t5-small int8: about 56 MB) and costs its opening (~0.3 s) plus ~0.1 s of timing at load.
+greedy call at batch 1 with its steps on one thread against 134 ms on two (beam 4, every graph on one thread: 189
+against 203 ms), while at 8 rows two threads won (293 against 322 ms) and an fp32 export gained from two threads at
+every size (b1 greedy: 233 ms on two, 266 with the steps on one). So which way a model goes on a machine is
+measured, not assumed: when a runtime opens an ONNX export with more than one thread on the CPU, a second, one-thread
+session of decoder_with_past is timed against the first on the same one-row step and kept, for steps of up to
+`FEW_ROWS` rows, only when it takes under `MARGIN` of the pool's time; otherwise it is closed at once. It holds the
+with-past weights a second time (flan-t5-small int8: about 56 MB) and costs its opening (~0.3 s) plus ~0.1 s of
+timing at load.
 """
 
 from __future__ import annotations
