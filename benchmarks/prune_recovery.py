@@ -139,6 +139,7 @@ def prune_cfg(train: Path, test: Path, ratio: float, args, recover=None):
     from t5compress.prune import PruneConfig
 
     return PruneConfig(calib_data=str(train), eval_data=str(test), heads=ratio, ffn=ratio, latency_examples=0,
+                       schedule=args.schedule, criterion=args.criterion,
                        eval_max_examples=args.eval_examples, calib_examples=args.calib_examples,
                        data=DataConfig(max_source_length=48, max_target_length=48), recover=recover)
 
@@ -228,6 +229,9 @@ def main() -> None:
     ap.add_argument("--long", default="", help="method:steps pairs run in addition, e.g. kd-layers-lr:900")
     ap.add_argument("--eval-examples", type=int, default=400)
     ap.add_argument("--calib-examples", type=int, default=256)
+    ap.add_argument("--schedule", choices=("uniform", "global"), default="uniform", help="prune's --schedule")
+    ap.add_argument("--criterion", choices=("taylor", "activation", "magnitude"), default="taylor",
+                    help="prune's --criterion")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of recovery (and of the base model where OUT/base is not there yet)")
