@@ -63,7 +63,7 @@ $(BENCH_STAMP): pyproject.toml
 
 bench-env: $(BENCH_STAMP)  ## the benchmark venv with every peer engine installed
 
-bench: $(BENCH_STAMP)  ## the goals benchmark: t5compress bench on t5-small and el2 shapes, every peer (minutes); ARGS='--quick' for a short run
+bench: $(BENCH_STAMP)  ## the goals benchmark: t5compress bench on the t5-small, el2 and flan-t5-small shapes, every peer (tens of minutes); ARGS='--quick' for a short run
 	$(BENCH_VENV)/bin/python benchmarks/generate_speed.py $(ARGS)
 
 # GPU: the `gpu` extra's onnxruntime-gpu (CUDA 13, cuDNN 9 from its own pip extras; needs an NVIDIA driver for CUDA
