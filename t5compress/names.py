@@ -10,6 +10,7 @@ DECODER = "decoder_model"  # first step: no past, returns the self- and cross-at
 DECODER_WITH_PAST = "decoder_with_past_model"  # later steps: one token in, past cache in, new self cache out
 DECODER_MERGED = "decoder_model_merged"  # optional: one graph, switches on `use_cache_branch`
 GRAPHS = (ENCODER, DECODER, DECODER_WITH_PAST)
+GENERATOR = "generator"  # optional: the three graphs under ONNX Runtime's BeamSearch operator (export.generator)
 MERGED_GRAPHS = (ENCODER, DECODER_MERGED)  # an ONNX export dir with the merged decoder alone
 USE_CACHE_BRANCH = "use_cache_branch"  # the merged decoder's bool (1,) input: False first step, True later
 

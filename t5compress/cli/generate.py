@@ -42,6 +42,9 @@ MaxInput = Annotated[int | None, Opt(
 IoBinding = Annotated[bool | None, Opt("--io-binding/--no-io-binding", help="Keep the KV cache on the device between"
                                         " steps (ONNX Runtime IO binding; separate ONNX decoders). Default: on when"
                                         " the graphs run on CUDA, off on the CPU. Same tokens.")]
+Search = Annotated[str, Opt(help="Where beam or greedy search runs: python (numpy on the host; every option) or"
+                            " graph (the dir's generator.onnx, from `export --search-graph`: one ONNX Runtime call"
+                            " per batch; early stopping and no-repeat n-grams fixed when it was built).")]
 Decoders = Annotated[str, Opt(help="ONNX decoder graphs to run: auto (separate when present, else merged), separate"
                               " or merged.")]
 
@@ -67,6 +70,7 @@ def generate(
     threads: Threads = 1,
     device: Device = "cpu",
     io_binding: IoBinding = None,
+    search: Search = "python",
 ) -> None:
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
     from t5compress.runtime import load_runtime
@@ -76,7 +80,7 @@ def generate(
     prefix = argument(prefix, "--prefix")
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
-    rt = load_runtime(path, threads=threads, decoders=decoders, device=device, io_binding=io_binding)
+    rt = load_runtime(path, threads=threads, decoders=decoders, device=device, io_binding=io_binding, search=search)
     if rt.format == "torchscript":
         err_console.print(f"[yellow]warning:[/yellow] {TORCHSCRIPT_WARNING}", highlight=False, soft_wrap=True)
     if max_input_tokens is not None:

@@ -204,7 +204,7 @@ def _branch(graph: onnx.GraphProto, prefix: str, outputs: list[str], shared: dic
     rename = {name: name for name in outer}
     rename[""] = ""  # omitted optional inputs
     for t in graph.initializer:
-        rename[t.name] = _hoist(t, shared, taken)
+        rename[t.name] = hoist(t, shared, taken)
     nodes = []
     for n in graph.node:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
@@ -237,7 +237,7 @@ def _branch(graph: onnx.GraphProto, prefix: str, outputs: list[str], shared: dic
     return helper.make_graph(nodes, prefix.strip("/"), [], branch_out, value_info=infos)
 
 
-def _hoist(t: onnx.TensorProto, shared: dict, taken: set) -> str:
+def hoist(t: onnx.TensorProto, shared: dict, taken: set) -> str:
     """The outer-scope name of initializer `t`, reusing an identical tensor already hoisted."""
     from onnx import numpy_helper
 

@@ -73,6 +73,12 @@ class ExportConfig:
         help="decoder_with_past_model also takes the decoder's attention_mask (batch, past + 1), so requests at"
         " different decoder positions can share a step (in-flight batching in Triton); ONNX, separate decoders.",
     )
+    search_graph: bool = option(
+        False,
+        help="Also write generator.onnx: the three graphs under ONNX Runtime's BeamSearch operator, so one ONNX"
+        " Runtime call generates (greedy or beam; `generate --search graph`, any ONNX Runtime server). fp32 ONNX,"
+        " separate decoders, not --inflight; quantize rebuilds it from its int8 graphs.",
+    )
     optimize: bool = option(False, help="Replace the ONNX graphs by ONNX Runtime's offline-optimised ones (CPU).")
     optimize_level: str = option("extended", help="ONNX Runtime optimisation level: basic or extended.")
     atol: float = option(1e-4, help="Absolute part of the parity tolerance: each output tensor (logits, cache) must be"
@@ -113,6 +119,10 @@ class ExportConfig:
         require(onnx_only, "format", "--merged, --decoders and --optimize apply to ONNX exports only")
         require(not self.inflight or (self.format == "onnx" and self.layout == "separate"), "inflight",
                 "needs an ONNX export with separate decoders (the merged decoder has no attention_mask input)")
+        require(not self.search_graph or (self.format == "onnx" and self.layout != "merged" and not self.inflight
+                                          and self.dtype == "fp32"), "search_graph",
+                "builds on fp32 ONNX graphs with the separate decoders: drop --torchscript, --decoders merged, "
+                "--inflight or --dtype")
 
     @property
     def layout(self) -> str:
@@ -209,6 +219,11 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
         if DECODER_MERGED in cfg.graphs:
             graphs[DECODER_MERGED] = _merged_io(specs)
         artifacts.write_json(tmp / MANIFEST_FILE, graphs)
+        if cfg.search_graph:  # needs the config, tokenizer and graphs.json the runtime reads
+            from t5compress.export.generator import check_generator, write_generator
+
+            write_generator(tmp, section["external_data"])
+            section["search_graph"] = check_generator(tmp, cfg.max_new_tokens, strict=True)
         from t5compress.model.load import describe
 
         report = {

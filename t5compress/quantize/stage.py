@@ -22,7 +22,7 @@ from t5compress.config import option as opt
 from t5compress.config import require
 from t5compress.cpu import FULL_WEIGHT_MAX, WEIGHT_RANGES, weight_max
 from t5compress.errors import ModelError, QuantizeError, first_line
-from t5compress.names import DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, ONNX_SUFFIX
+from t5compress.names import DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GENERATOR, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
 from t5compress.quantize.sources import (
     KEEP_AUTO,
@@ -201,6 +201,11 @@ def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, graphs: dict) -> None:
         from t5compress.export.onnx import write_merged
 
         write_merged(tmp, external=False)
+    if (src / f"{GENERATOR}{ONNX_SUFFIX}").is_file():  # the export carried the in-graph search: rebuild it in int8
+        from t5compress.export.generator import check_generator, write_generator
+
+        write_generator(tmp)
+        graphs["search_graph"] = check_generator(tmp, cfg.max_new_tokens, strict=False)
 
 
 def _settings(cfg: QuantizeConfig) -> dict:

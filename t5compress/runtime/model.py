@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from t5compress.errors import DataError, ModelError
+from t5compress.errors import ConfigError, DataError, ModelError
 from t5compress.names import DECODER_MASK
+from t5compress.runtime.ingraph import SEARCHES, GraphSearch
 from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
@@ -114,11 +115,12 @@ class Seq2SeqRuntime:
         self.max_input_tokens = input_limit(self.path) if max_input_tokens is _FROM_DIR else (max_input_tokens or None)
         self.device = "cpu"  # where the graphs run ('cpu' or 'cuda:N'); load_runtime sets it from the sessions
         self.io_binding = False  # True: the KV cache stays on the device between steps (runtime.binding)
+        self.graph_search: GraphSearch | None = None  # set: the search runs inside generator.onnx (runtime.ingraph)
         self._tokenizer = None
 
     @property
     def format(self) -> str:
-        return self.backend.format
+        return self.backend.format if self.backend is not None else "onnx"
 
     def settings(self, **overrides: Any) -> GenerationSettings:
         """The effective settings: generation_config.json defaults with the given non-None values on top."""
@@ -160,6 +162,8 @@ class Seq2SeqRuntime:
             raise DataError(f"input_ids must be a non-empty (batch, length) array, got shape {input_ids.shape}")
         check_fits(self.shape, input_ids.shape[0], s.num_beams, input_ids.shape[1], s.max_new_tokens)
         mask = self._mask(input_ids, attention_mask)
+        if self.graph_search is not None:
+            return self.graph_search.generate(input_ids, mask, s, self.tokens)
         hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
         decoder = self.decoder_for(hidden, mask, s.num_beams)
         search = beam_search if s.num_beams > 1 else greedy_search
@@ -241,6 +245,7 @@ def load_tokenizer(path: Path, pad_id: int):
 def load_runtime(
     path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto",
     max_input_tokens: int | None | object = _FROM_DIR, device: str = "cpu", io_binding: bool | None = None,
+    search: str = "python",
 ) -> Seq2SeqRuntime:
     """Open an ONNX or TorchScript export directory for generation.
 
@@ -257,8 +262,14 @@ def load_runtime(
         device: 'cpu', 'cuda', 'cuda:N' or 'auto' (see `runtime.device`); ignored when `providers` is given.
         io_binding: keep the KV cache on the device between steps (ONNX, separate decoders; see `runtime.binding`);
             None: on when the graphs run on CUDA and the dir has the separate decoders, else off.
+        search: 'python' (the search loop in numpy, every option) or 'graph' (the dir's generator.onnx runs the
+            whole search in ONNX Runtime; see `runtime.ingraph`).
     """
     p = Path(path)
+    if search not in SEARCHES:
+        raise ConfigError(f"--search {search!r}: choose one of {', '.join(SEARCHES)}")
+    if search == "graph":
+        return _graph_runtime(p, threads, providers, max_input_tokens, device, io_binding)
     backend, placed = open_on_device(p, threads, providers, decoders, device)
     if io_binding is None:  # on a GPU the cache would otherwise cross to the host and back every step
         io_binding = placed.startswith("cuda") and hasattr(backend.decoder, "session")
@@ -271,6 +282,21 @@ def load_runtime(
     tokens, defaults = read_generation_defaults(p)
     rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
     rt.device, rt.io_binding = placed, io_binding
+    return rt
+
+
+def _graph_runtime(path: Path, threads: int, providers: Sequence[str] | None, max_input_tokens, device: str,
+                   io_binding: bool | None) -> Seq2SeqRuntime:
+    """A runtime whose `generate` is one call of generator.onnx; the three graphs are not opened."""
+    from t5compress.runtime.device import parse_device, providers_for
+
+    if io_binding:
+        raise ConfigError("--search graph runs the whole search inside ONNX Runtime; --io-binding applies to "
+                          "--search python")
+    graph = GraphSearch(path, threads, providers or providers_for(parse_device(device)))
+    tokens, defaults = read_generation_defaults(path)
+    rt = Seq2SeqRuntime(path, None, tokens, defaults, max_input_tokens, ModelShape.read(path))
+    rt.graph_search = graph
     return rt
 
 
