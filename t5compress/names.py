@@ -44,6 +44,11 @@ def present_names(num_decoder_layers: int, cross: bool = True) -> list[str]:
 # slots that hold no token (rows left-padded to share a step). optimum's name for a decoder's own mask.
 DECODER_MASK = "attention_mask"
 
+# generator.onnx's inputs and output (export.generator): ids, mask and the search settings -> finished sequences
+GENERATOR_INPUTS = ("input_ids", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
+                    "repetition_penalty", "attention_mask")
+GENERATOR_OUTPUTS = ("sequences",)
+
 MANIFEST_FILE = "graphs.json"  # in every export dir: each graph's input and output names in positional order
 
 

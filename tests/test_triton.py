@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -535,3 +536,43 @@ def test_a_blockwise_int8_export_serves_what_the_local_runtime_generates(export_
     finally:
         assert running.stop() == 0
     assert got == [[t] for t in load_runtime(int8).generate_text(TEXTS[:4], max_new_tokens=12)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["in-process", "portable"])
+def test_the_search_graph_serves_what_the_local_runtime_generates(export_dir, tmp_path, flavour):
+    """--search-graph: the text model runs generator.onnx itself, or calls one generator leaf once per batch."""
+    from t5compress.export.generator import write_generator
+    from t5compress.runtime import load_runtime
+    from t5compress.triton.client import generate
+
+    export = tmp_path / "export"
+    shutil.copytree(export_dir, export)
+    write_generator(export)
+    repo = tmp_path / "repo"
+    run(export, TritonConfig(name="t5", portable=flavour == "portable", search_graph=True, max_input_tokens=40), repo)
+    models = _models(repo)
+    if flavour == "portable":
+        assert set(models) == {"t5", "t5_generator"} and models["t5_generator"].max_batch_size == 0
+        assert (repo / "t5_generator" / "1" / "generator.onnx").is_file()
+    else:
+        assert set(models) == {"t5"} and (repo / "t5" / "1" / "generator.onnx").is_file()
+        assert not (repo / "t5" / "1" / "decoder_with_past_model.onnx").exists()
+    local = load_runtime(export, search="graph")
+    running = start(find_server(), repo, Ports.free(), log_path=tmp_path / "server.log")
+    try:
+        for settings in (dict(max_new_tokens=12), dict(num_beams=3, num_return_sequences=2, max_new_tokens=10)):
+            got = generate(running.http_url, "t5", TEXTS[:4], **settings)
+            n = settings.get("num_return_sequences", 1)
+            want = local.generate_text(TEXTS[:4], **settings)
+            assert got == [want[k * n:(k + 1) * n] for k in range(4)], settings
+    finally:
+        assert running.stop() == 0
+
+
+def test_search_graph_repositories_refuse_what_they_cannot_serve(export_dir, tmp_path):
+    with pytest.raises(ModelError, match="has no generator.onnx"):
+        run(export_dir, TritonConfig(search_graph=True), tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+    with pytest.raises(ConfigError, match="drop --search-graph or --inflight"):
+        TritonConfig(search_graph=True, inflight=True)

@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the copy of t5compre
 
 import triton_python_backend_utils as pb_utils  # noqa: E402  (provided by the python backend stub)
 
+from t5compress.names import GENERATOR_INPUTS, GENERATOR_OUTPUTS  # noqa: E402
 from t5compress.runtime import GenerationSettings, Seq2SeqRuntime, load_runtime  # noqa: E402
+from t5compress.runtime.ingraph import GraphSearch, generator_entry  # noqa: E402
 from t5compress.runtime.scheduler import Job, Result, Scheduler, crop  # noqa: E402
 from t5compress.runtime.sessions import Backend  # noqa: E402
 from t5compress.runtime.settings import read_generation_defaults  # noqa: E402
@@ -95,8 +97,14 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         if params.get("in_process") == "1":  # the graphs beside this file, run here
+            search = params.get("search", "python")  # graph: generator.onnx beside this file runs the whole search
             self.runtime = load_runtime(here, threads=int(params.get("intra_op_thread_count", "1")),
-                                        decoders="separate")
+                                        decoders="separate", search=search)
+        elif "generator_model" in params:  # one call of the generator leaf per batch: the search runs there
+            tokens, defaults = read_generation_defaults(here)
+            self.runtime = Seq2SeqRuntime(here, None, tokens, defaults)
+            self.runtime.graph_search = GraphSearch(generator_entry(here, with_file=False), BlsGraph(
+                params["generator_model"], GENERATOR_INPUTS, GENERATOR_OUTPUTS))
         else:
             graphs = json.loads((here / "graphs.json").read_text())
             leaves = json.loads(params["leaf_models"])  # graph name -> leaf model name

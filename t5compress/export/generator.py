@@ -34,6 +34,8 @@ from t5compress.names import (
     DECODER_WITH_PAST,
     ENCODER,
     GENERATOR,
+    GENERATOR_INPUTS,
+    GENERATOR_OUTPUTS,
     MANIFEST_FILE,
     ONNX_SUFFIX,
     past_names,
@@ -44,11 +46,6 @@ if TYPE_CHECKING:
     import onnx
 
 log = logging.getLogger(__name__)
-
-GENERATOR_INPUTS = ("input_ids", "max_length", "min_length", "num_beams", "num_return_sequences", "length_penalty",
-                    "repetition_penalty", "attention_mask")
-GENERATOR_OUTPUTS = ("sequences",)
-
 
 def generator_settings(config: dict, generation: dict) -> dict[str, Any]:
     """What the graph fixes when built: special tokens and the two search attributes, checked to be expressible."""

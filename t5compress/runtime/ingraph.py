@@ -18,17 +18,18 @@ import numpy as np
 
 from t5compress.errors import ConfigError, ModelError
 from t5compress.names import GENERATOR, MANIFEST_FILE, ONNX_SUFFIX
-from t5compress.runtime.sessions import OnnxGraph
+from t5compress.runtime.sessions import Graph, OnnxGraph
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens
 
 SEARCHES = ("python", "graph")  # where the search loop runs: numpy on the host, or ONNX Runtime's operator
 
 
-def generator_entry(path: Path) -> dict:
-    """What graphs.json records of the dir's generator.onnx; a one-line error when the dir has none."""
+def generator_entry(path: Path, with_file: bool = True) -> dict:
+    """What graphs.json records of the dir's generator.onnx; a one-line error when the dir has none (`with_file`:
+    the file must be there too; a Triton text model reads the entry and calls the graph in another model)."""
     manifest = path / MANIFEST_FILE
     entry = json.loads(manifest.read_text()).get(GENERATOR) if manifest.is_file() else None
-    if entry is None or not (path / f"{GENERATOR}{ONNX_SUFFIX}").is_file():
+    if entry is None or (with_file and not (path / f"{GENERATOR}{ONNX_SUFFIX}").is_file()):
         raise ModelError(f"--search graph: '{path}' has no {GENERATOR}{ONNX_SUFFIX}; build it with "
                          "`t5compress export ... --search-graph` (or quantize ... --search-graph), or use --search "
                          "python")
@@ -36,11 +37,16 @@ def generator_entry(path: Path) -> dict:
 
 
 class GraphSearch:
-    """`generate` through the dir's generator.onnx."""
+    """`generate` through a generator graph: an ONNX Runtime session on the dir's generator.onnx (`open`), or
+    anything with the `Graph` interface that runs it (a Triton model over BLS)."""
 
-    def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None):
-        self.fixed = generator_entry(path)
-        self.graph = OnnxGraph(path / f"{GENERATOR}{ONNX_SUFFIX}", threads, providers)
+    def __init__(self, fixed: dict, graph: Graph):
+        self.fixed = fixed  # graphs.json's generator entry: what the graph was built with
+        self.graph = graph
+
+    @classmethod
+    def open(cls, path: Path, threads: int, providers: Sequence[str] | None = None) -> GraphSearch:
+        return cls(generator_entry(path), OnnxGraph(path / f"{GENERATOR}{ONNX_SUFFIX}", threads, providers))
 
     def check(self, s: GenerationSettings) -> None:
         """One line for a setting the built graph cannot honour."""

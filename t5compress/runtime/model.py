@@ -293,7 +293,7 @@ def _graph_runtime(path: Path, threads: int, providers: Sequence[str] | None, ma
     if io_binding:
         raise ConfigError("--search graph runs the whole search inside ONNX Runtime; --io-binding applies to "
                           "--search python")
-    graph = GraphSearch(path, threads, providers or providers_for(parse_device(device)))
+    graph = GraphSearch.open(path, threads, providers or providers_for(parse_device(device)))
     tokens, defaults = read_generation_defaults(path)
     rt = Seq2SeqRuntime(path, None, tokens, defaults, max_input_tokens, ModelShape.read(path))
     rt.graph_search = graph

@@ -5,6 +5,8 @@
     <name>_encoder/            with leaves: encoder_model.onnx
     <name>_decoder/            with leaves: decoder_model.onnx (first step: fills the self- and cross-attention cache)
     <name>_decoder_with_past/  with leaves: decoder_with_past_model.onnx (every later step)
+    <name>_generator/          with leaves and --search-graph, in place of the three: generator.onnx (the whole
+                               search, called once per batch; in-process, the text model holds it instead)
 
 In-process, the text model opens the graphs with ONNX Runtime in its own process: the cache never leaves it. With
 leaves, it calls them over BLS at every step; they are `onnxruntime_onnx` models, or with `portable` python models
@@ -22,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from t5compress.errors import ConfigError, ModelError
-from t5compress.names import DECODER, DECODER_MASK, DECODER_WITH_PAST, ENCODER, MANIFEST_FILE, ONNX_SUFFIX
+from t5compress.names import DECODER, DECODER_MASK, DECODER_WITH_PAST, ENCODER, GENERATOR, MANIFEST_FILE, ONNX_SUFFIX
 from t5compress.triton import config as pbtxt
 
 VERSION = "1"
-LEAF_SUFFIXES = {ENCODER: "encoder", DECODER: "decoder", DECODER_WITH_PAST: "decoder_with_past"}
+LEAF_SUFFIXES = {ENCODER: "encoder", DECODER: "decoder", DECODER_WITH_PAST: "decoder_with_past",
+                 GENERATOR: "generator"}
 BLS_SOURCE = "t5_bls.py"
 LEAF_SOURCE = "onnx_graph.py"
 # What the server-side python needs of the package: the runtime and the modules it imports (numpy, onnxruntime and
@@ -86,13 +89,16 @@ def runtime_files() -> dict[str, Path]:
 
 def leaf_model(export: Path, graph: str, name: str, kind: str, instances: int, threads: int, max_batch: int,
                queue_delay_us: int, portable: bool) -> ModelPlan:
+    """One graph as a model of its own. `max_batch` 0: not batched by Triton (generator.onnx, whose settings inputs
+    have no batch axis; the text model sends it whole batches)."""
     onnx_file = export / f"{graph}{ONNX_SUFFIX}"
-    inputs, outputs = pbtxt.graph_tensors(onnx_file, batched=True)
+    inputs, outputs = pbtxt.graph_tensors(onnx_file, batched=max_batch > 0)
     common = {
         "name": name, "max_batch_size": max_batch, "input": inputs, "output": outputs,
-        "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us},
         "instance_group": pbtxt.instance_group(kind, instances),
     }
+    if max_batch > 0:
+        common["dynamic_batching"] = {"max_queue_delay_microseconds": queue_delay_us}
     files = graph_files(export, graph)
     threads_param = {"intra_op_thread_count": str(threads), "inter_op_thread_count": "1"}
     if portable:
@@ -114,22 +120,32 @@ def graph_files(export: Path, graph: str) -> dict[str, Path]:
 
 def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, max_batch: int, queue_delay_us: int,
               max_beams: int, max_new_tokens: int, max_input_tokens: int = -1) -> ModelPlan:
-    """The text model that calls the leaf models `leaves` (graph name -> model name) over BLS."""
-    return _text(export, name, instances, max_batch, queue_delay_us, {
-        "leaf_models": leaves, "max_beams": str(max_beams), "max_new_tokens": str(max_new_tokens),
-        "max_input_tokens": str(max_input_tokens)}, {})
+    """The text model that calls the leaf models `leaves` (graph name -> model name) over BLS: every decoder step,
+    or, when `leaves` is the generator alone, once per batch."""
+    params = {"max_beams": str(max_beams), "max_new_tokens": str(max_new_tokens),
+              "max_input_tokens": str(max_input_tokens)}
+    if GENERATOR in leaves:
+        params["generator_model"] = leaves[GENERATOR]
+    else:
+        params["leaf_models"] = leaves
+    return _text(export, name, instances, max_batch, queue_delay_us, params, {})
 
 
 def text_model(export: Path, name: str, instances: int, threads: int, max_batch: int, queue_delay_us: int,
-               max_beams: int, max_new_tokens: int, max_input_tokens: int = -1, decoupled: bool = False) -> ModelPlan:
+               max_beams: int, max_new_tokens: int, max_input_tokens: int = -1, decoupled: bool = False,
+               search_graph: bool = False) -> ModelPlan:
     """The text model that runs the graphs itself (ONNX Runtime, `threads` intra-op threads per graph).
 
     `decoupled`: its scheduler answers each request when done (in-flight batching on an --inflight export) and
     streams on request (`stream` input); it may hold `max_batch * max_beams` rows in its running batch.
+    `search_graph`: it holds generator.onnx alone and runs each batch as one call of it.
     """
-    graphs = {dest: src for g in (ENCODER, DECODER, DECODER_WITH_PAST) for dest, src in graph_files(export, g).items()}
+    names = (GENERATOR,) if search_graph else (ENCODER, DECODER, DECODER_WITH_PAST)
+    graphs = {dest: src for g in names for dest, src in graph_files(export, g).items()}
     params = {"in_process": "1", "intra_op_thread_count": str(threads), "max_beams": str(max_beams),
               "max_new_tokens": str(max_new_tokens), "max_input_tokens": str(max_input_tokens)}
+    if search_graph:
+        params["search"] = "graph"
     if decoupled:
         params.update({"decoupled": "1", "max_inflight_rows": str(max_batch * max_beams)})
     return _text(export, name, instances, max_batch, queue_delay_us, params, graphs, decoupled)

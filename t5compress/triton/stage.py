@@ -19,7 +19,7 @@ from pathlib import Path
 from t5compress import artifacts
 from t5compress.config import choose, option, require
 from t5compress.errors import ModelError
-from t5compress.names import GRAPHS, MANIFEST_FILE
+from t5compress.names import GENERATOR, GRAPHS, MANIFEST_FILE, ONNX_SUFFIX
 from t5compress.triton import config as pbtxt
 from t5compress.triton import repository
 
@@ -55,6 +55,10 @@ class TritonConfig:
                                         "per step); clients use gRPC streaming. In-flight batching needs an export "
                                         "made with --inflight (graphs.json says so); others are served "
                                         "batch-at-a-time. In-process flavour only.")
+    search_graph: bool = option(False, help="Serve the export's generator.onnx (`export --search-graph`): the whole "
+                                            "search in one ONNX Runtime call per batch, in the text model or, with "
+                                            "--leaves, as one leaf model (<name>_generator) called once per batch "
+                                            "instead of three called every step. Not with --inflight.")
 
     def __post_init__(self) -> None:
         require(bool(NAME_RE.match(self.name)), "name",
@@ -66,6 +70,9 @@ class TritonConfig:
         require(self.queue_delay_us >= 0, "queue_delay_us", f"must be >= 0, got {self.queue_delay_us}")
         require(not self.inflight or self.flavour == "in-process", "inflight",
                 "the decoupled text model runs the graphs itself: drop --leaves/--portable/--kind gpu")
+        require(not (self.inflight and self.search_graph), "search_graph",
+                "generator.onnx answers when the whole batch is done: in-flight batching and streaming step the "
+                "graphs themselves; drop --search-graph or --inflight")
 
     @property
     def flavour(self) -> str:
@@ -76,7 +83,8 @@ class TritonConfig:
 
     def leaf_names(self) -> dict[str, str]:
         """Export graph name -> leaf model name."""
-        return {g: f"{self.name}_{repository.LEAF_SUFFIXES[g]}" for g in GRAPHS}
+        graphs = (GENERATOR,) if self.search_graph else GRAPHS
+        return {g: f"{self.name}_{repository.LEAF_SUFFIXES[g]}" for g in graphs}
 
 
 def plan(src: Path, cfg: TritonConfig) -> list[repository.ModelPlan]:
@@ -84,17 +92,18 @@ def plan(src: Path, cfg: TritonConfig) -> list[repository.ModelPlan]:
     if cfg.flavour == "in-process":
         return [repository.text_model(src, cfg.name, cfg.bls_instances, cfg.threads, cfg.max_batch_size,
                                       cfg.queue_delay_us, cfg.max_beams, cfg.max_new_tokens, cfg.max_input_tokens,
-                                      cfg.inflight)]
+                                      cfg.inflight, cfg.search_graph)]
     leaves = cfg.leaf_names()
-    leaf_batch = cfg.max_batch_size * cfg.max_beams  # the decoders see batch x beams rows
+    # the decoders see batch x beams rows; generator.onnx takes whole batches with their settings (not batched)
+    leaf_batch = 0 if cfg.search_graph else cfg.max_batch_size * cfg.max_beams
     models = [repository.bls_model(src, cfg.name, leaves, cfg.bls_instances, cfg.max_batch_size, cfg.queue_delay_us,
                                    cfg.max_beams, cfg.max_new_tokens, cfg.max_input_tokens)]
     models += [repository.leaf_model(src, g, leaves[g], cfg.kind, cfg.instances, cfg.threads, leaf_batch,
-                                     cfg.queue_delay_us, cfg.portable) for g in GRAPHS]
+                                     cfg.queue_delay_us, cfg.portable) for g in leaves]
     return models
 
 
-def check_export(src: Path) -> None:
+def check_export(src: Path, search_graph: bool = False) -> None:
     from t5compress.runtime import detect_format
 
     fmt = detect_format(src)  # one line naming missing graphs for anything that is not an export dir
@@ -104,6 +113,9 @@ def check_export(src: Path) -> None:
     for needed in (MANIFEST_FILE, "tokenizer.json"):
         if not (src / needed).is_file():
             raise ModelError(f"'{src}' has no {needed}: re-export it with `t5compress export MODEL OUT --onnx`")
+    if search_graph and not (src / f"{GENERATOR}{ONNX_SUFFIX}").is_file():
+        raise ModelError(f"--search-graph: '{src}' has no {GENERATOR}{ONNX_SUFFIX}; export it with "
+                         "`t5compress export MODEL OUT --search-graph`")
 
 
 @artifacts.claims_output
@@ -112,7 +124,7 @@ def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, *, fo
     """Write the model repository for export dir `src` to `out`; returns the report (also in `out`/report.json)."""
     src = Path(src)
     out = artifacts.check_output(out, force, inputs=[src, cfg])
-    check_export(src)
+    check_export(src, cfg.search_graph)
     started = time.perf_counter()
     models = plan(src, cfg)  # every config checked before the first file is written
     with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
