@@ -79,7 +79,10 @@ def main() -> None:
     ap.add_argument("--queue-delay-us", type=int, default=20000,
                     help="dynamic batching delay: long enough for answered clients to send their next request")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the model, export and repository here")
-    ap.add_argument("--flavours", default="in-process,portable", help="repository flavours to serve, in order")
+    ap.add_argument("--flavours", default="in-process,portable",
+                    help="repository flavours to serve, in order: in-process, portable, and either with "
+                         "'-search-graph' (generator.onnx: the whole search in one call per batch)")
+    ap.add_argument("--name", default="triton_throughput", help="file name of the results")
     args = ap.parse_args()
     rounds, sequential, concurrent = (2, 6, 24) if args.quick else (args.rounds, 8, 40)
 
@@ -103,16 +106,21 @@ def main() -> None:
     results = {}
     for flavour in args.flavours.split(","):
         repo = work / f"repo-{flavour}"
-        cfg = TritonConfig(name="t5", portable=flavour == "portable", max_batch_size=CONCURRENCY, threads=1,
-                           queue_delay_us=args.queue_delay_us)
+        search_graph = flavour.endswith("-search-graph")
+        if search_graph and not (export_dir / "generator.onnx").is_file():
+            from t5compress.export.generator import write_generator
+
+            write_generator(export_dir)
+        cfg = TritonConfig(name="t5", portable=flavour.startswith("portable"), max_batch_size=CONCURRENCY, threads=1,
+                           queue_delay_us=args.queue_delay_us, search_graph=search_graph)
         run(export_dir, cfg, repo, force=True, progress=False)
         results[flavour] = serve(flavour, repo, work, rt, inputs, gen, rounds, sequential, concurrent, args)
         results[flavour]["cpu_ms_per_request"]["local_runtime"] = round(local_cpu_ms, 1)
     out = ROOT / "results"
     out.mkdir(exist_ok=True)
-    (out / "triton_throughput.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
     text = "\n".join(markdown(r) for r in results.values()) + summary(results)
-    (out / "triton_throughput.md").write_text(text)
+    (out / f"{args.name}.md").write_text(text)
     print(text)
 
 
