@@ -212,3 +212,17 @@ def test_cli_qat_then_export_happy_path_and_bad_input(tiny_gated_dir, demo_jsonl
     assert r.exit_code == 2 and "keep_wo: choose one of auto, yes, no" in " ".join(r.output.split())
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
     np.testing.assert_equal(sorted(p.name for p in tmp_path.iterdir()), ["q", "x"])
+
+
+def test_a_qat_dir_exports_its_int8_graphs_with_the_search_graph(qat_run, tmp_path):
+    """The in-graph search over Q/DQ graphs: both decoders carry the same learned scales, so greedy search through
+    generator.onnx gives the Python search's tokens (the export checks every row, strictly)."""
+    from t5compress.runtime import load_runtime
+
+    out, _ = qat_run
+    report = export.run(str(out), export.ExportConfig(search_graph=True), tmp_path / "int8")
+    check = report["search_graph"]
+    assert check["greedy"]["identical_rows"] == check["rows"]
+    texts = ["sort words: tree moon apple", "spell sorted: 5031"]
+    graph = load_runtime(tmp_path / "int8", search="graph").generate_text(texts, max_new_tokens=8)
+    assert graph == load_runtime(tmp_path / "int8").generate_text(texts, max_new_tokens=8)
