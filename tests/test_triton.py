@@ -544,6 +544,8 @@ def test_the_search_graph_serves_what_the_local_runtime_generates(export_dir, tm
     """--search-graph: the text model runs generator.onnx itself, or calls one generator leaf once per batch."""
     from t5compress.export.generator import write_generator
     from t5compress.runtime import load_runtime
+    from t5compress.runtime.ingraph import finish
+    from t5compress.runtime.settings import GenerationSettings
     from t5compress.triton.client import generate
 
     export = tmp_path / "export"
@@ -566,8 +568,35 @@ def test_the_search_graph_serves_what_the_local_runtime_generates(export_dir, tm
             n = settings.get("num_return_sequences", 1)
             want = local.generate_text(TEXTS[:4], **settings)
             assert got == [want[k * n:(k + 1) * n] for k in range(4)], settings
+        if flavour == "portable":  # a client that tokenizes itself calls the generator model alone, ids in and out
+            ids, mask = local.encode(TEXTS[:4])
+            got_ids = _call_generator(running.http_url, "t5_generator", ids, mask, beams=2, new_tokens=10)
+            want_ids = local.generate(ids, mask, num_beams=2, max_new_tokens=10)
+            assert got_ids.shape[:2] == (4, 1)
+            np.testing.assert_array_equal(finish(got_ids[:, 0, :].astype(np.int64),
+                                                 GenerationSettings(num_beams=2, max_new_tokens=10), local.tokens),
+                                          want_ids)
     finally:
         assert running.stop() == 0
+
+
+def _call_generator(url: str, model: str, ids: np.ndarray, mask: np.ndarray, beams: int, new_tokens: int):
+    import tritonclient.http as http
+
+    feeds = {"input_ids": ids.astype(np.int32), "attention_mask": mask.astype(np.int32),
+             "max_length": np.array([new_tokens + 1], np.int32), "min_length": np.array([1], np.int32),
+             "num_beams": np.array([beams], np.int32), "num_return_sequences": np.array([1], np.int32),
+             "length_penalty": np.array([1.0], np.float32), "repetition_penalty": np.array([1.0], np.float32)}
+    client = http.InferenceServerClient(url)
+    try:
+        inputs = []
+        for name, value in feeds.items():
+            tensor = http.InferInput(name, list(value.shape), "INT32" if value.dtype == np.int32 else "FP32")
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        return client.infer(model, inputs).as_numpy("sequences")
+    finally:
+        client.close()
 
 
 def test_search_graph_repositories_refuse_what_they_cannot_serve(export_dir, tmp_path):
