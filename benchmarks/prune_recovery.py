@@ -16,6 +16,7 @@ step count, all from the same trained model, scored on the same held-out sentenc
   kd-layers-lr    kd-layers at lr 2e-3: the default of `prune --recover-data` and `recover` up to d_model 128
   kd-layers-lr1e-3  kd-layers at lr 1e-3: the default at d_model 256 (2e-3 x 128 / d_model)
   iter2           two pruning steps (25% then to 50%), each followed by half the recovery steps (kd-layers-lr)
+  iter2-lr1e-3    iter2 at d256's default rate; iter3-lr1e-3: three steps, a third of the recovery steps each
   kd-layers-a0.9-lr1e-3  kd-layers-lr1e-3 with the KL term weighted 0.9 (cross-entropy 0.1) at temperature 1
   kd-layers-h4-lr1e-3    kd-layers-lr1e-3 with the layer-wise term weighted 4
   seqkd-lr1e-3    kd-layers-lr1e-3 on the unpruned model's greedy outputs as targets (sequence-level KD, Kim & Rush
@@ -52,6 +53,8 @@ METHODS: dict[str, tuple[dict, int]] = {
     "kd-layers-lr": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "kd-layers-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 1),
     "iter2": ({"distill": True, "lr": 2e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 2),
+    "iter2-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 2),
+    "iter3-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0}, 3),
     "kd-layers-a0.9-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 1.0,
                                "alpha": 0.9, "temperature": 1.0}, 1),
     "kd-layers-h4-lr1e-3": ({"distill": True, "lr": 1e-3, "hidden_layers": "all", "hidden_weight": 4.0}, 1),

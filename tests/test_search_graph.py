@@ -137,3 +137,18 @@ def test_settings_the_graph_cannot_honour_are_one_line(gated_export, tiny_gated_
         ExportConfig(search_graph=True, dtype="fp16")
     with pytest.raises(ConfigError, match="choose one of python, graph"):
         load_runtime(gated_export, search="loop")
+
+
+def test_external_data_and_both_decoder_layouts(tiny_model_dir, tmp_path):
+    """A relu, tied model exported with both decoder layouts and its weights in external data files: the generator
+    keeps its weights beside it too, and loads and matches greedy search."""
+    out = tmp_path / "onnx"
+    report = run(tiny_model_dir, ExportConfig(search_graph=True, decoders="both", external_data_threshold=0), out)
+    assert report["search_graph"]["greedy"]["identical_rows"] == 8
+    assert (out / "generator.onnx_data").is_file()
+    proto = onnx.load(str(out / "generator.onnx"), load_external_data=False)
+    big = [t for t in proto.graph.initializer if np.prod(t.dims) >= 256]
+    assert big and all(t.data_location == onnx.TensorProto.EXTERNAL for t in big)  # the weights are in the data file
+    ids = np.array([[5, 6, 7, 8, 1], [9, 10, 1, 0, 0]])
+    graph = load_runtime(out, search="graph").generate(ids, max_new_tokens=6)
+    assert (graph == load_runtime(out, decoders="separate").generate(ids, max_new_tokens=6)).all()
