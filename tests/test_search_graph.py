@@ -152,3 +152,18 @@ def test_external_data_and_both_decoder_layouts(tiny_model_dir, tmp_path):
     ids = np.array([[5, 6, 7, 8, 1], [9, 10, 1, 0, 0]])
     graph = load_runtime(out, search="graph").generate(ids, max_new_tokens=6)
     assert (graph == load_runtime(out, decoders="separate").generate(ids, max_new_tokens=6)).all()
+
+
+def test_a_blockwise_int8_generator_runs_its_matmulnbits_graphs(gated_export, tmp_path):
+    """quantize --blockwise rebuilds the generator over MatMulNBits graphs (com.microsoft ops inside subgraphs)."""
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize import run as quantize
+
+    out = tmp_path / "blockwise"
+    report = quantize(gated_export, QuantizeConfig(mode="blockwise", min_agreement=0), out, progress=False)
+    proto = onnx.load(str(out / "generator.onnx"))
+    subgraphs = [a.g for a in proto.graph.node[0].attribute if a.type == onnx.AttributeProto.GRAPH]
+    assert any(n.op_type == "MatMulNBits" for g in subgraphs for n in g.node)
+    assert report["graphs"]["search_graph"]["greedy"]["identical_rows"] >= 6
+    ids = np.array([[5, 6, 7, 8, 1], [9, 10, 1, 0, 0]])
+    assert load_runtime(out, search="graph").generate(ids, max_new_tokens=6).shape[0] == 2

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def generator_settings(config: dict, generation: dict) -> dict[str, Any]:
     """What the graph fixes when built: special tokens and the two search attributes, checked to be expressible."""
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
@@ -105,8 +106,12 @@ def build_generator(encoder, decoder, with_past, config: dict, settings: dict) -
     out = helper.make_tensor_value_info("sequences", TensorProto.INT32,
                                         ["batch_size", "num_return_sequences", "max_length"])
     graph = helper.make_graph([node], GENERATOR, inputs, [out], initializer=list(shared.values()))
-    opsets = [o for o in with_past.opset_import if o.domain in ("", "ai.onnx")]
-    model = helper.make_model(graph, opset_imports=[*opsets, helper.make_opsetid("com.microsoft", 1)],
+    domains = {"com.microsoft": 1}  # the operator's; int8 graphs may use that domain and others too
+    for g in (encoder, decoder, with_past):
+        for o in g.opset_import:
+            domains[o.domain or ""] = max(domains.get(o.domain or "", 0), o.version)
+    domains.pop("ai.onnx", None)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in domains.items()],
                               producer_name="t5compress")
     model.ir_version = with_past.ir_version
     return model
