@@ -117,7 +117,18 @@ def _metric_rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("greedy agreement with fp32", f"{parity['token_agreement']['agreement']:.1%}"))
     elif "generation" in parity:
         rows.append(("greedy == generate", "yes" if parity["generation"].get("identical") else "NO"))
-    return rows + _int8_rows(report) + (_qat_rows(report) if report.get("stage") == "qat" else [])
+    return rows + _search_graph_rows(report) + _int8_rows(report) + (
+        _qat_rows(report) if report.get("stage") == "qat" else [])
+
+
+def _search_graph_rows(report: dict) -> list[tuple[str, str]]:
+    """generator.onnx (export / quantize --search-graph): how its search matched the Python search's tokens."""
+    check = report.get("search_graph") or (report.get("graphs") or {}).get("search_graph")
+    if not isinstance(check, dict) or "greedy" not in check:
+        return []
+    rows = check["rows"]
+    return [("search graph", f"generator.onnx: greedy {check['greedy']['identical_rows']}/{rows}, beam 2 "
+                             f"{check['beam2']['identical_rows']}/{rows} rows as the Python search (--search graph)")]
 
 
 def _dtype_row(report: dict) -> str:

@@ -80,6 +80,12 @@ def test_tokens_match_the_python_search_on_a_trained_model(skilled_export, skill
     assert graph.generate_text([records[0]["source"]], **gen) == python.generate_text([records[0]["source"]], **gen)
 
 
+def test_info_shows_the_search_graph_check(gated_export):
+    result = runner.invoke(app, ["info", str(gated_export)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "generator.onnx: greedy 8/8, beam 2 8/8 rows as the Python search" in result.output
+
+
 def test_generate_cli_search_graph(gated_export):
     args = ["generate", str(gated_export), "translate: hello", "a longer second input", "--max-new-tokens", "6"]
     python = runner.invoke(app, args)
