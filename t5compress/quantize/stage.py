@@ -183,7 +183,8 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, *, 
 
 
 def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, graphs: dict) -> None:
-    """Store a tied embedding once (in the LM head's int8 matrix), then re-merge the decoders if `src` had them.
+    """Store a tied embedding once (in the LM head's int8 matrix), then re-merge the decoders and rebuild
+    generator.onnx if `src` had them.
 
     Not after tuning: the tuning's metric was measured on the graphs as they are, and its guarantee is about those.
     """

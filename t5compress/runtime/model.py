@@ -101,12 +101,13 @@ class Seq2SeqRuntime:
     """Generation on an export directory: `generate` on token ids, `generate_text` on strings."""
 
     def __init__(
-        self, path: str | Path, backend: Backend, tokens: SpecialTokens, defaults: dict[str, Any],
+        self, path: str | Path, backend: Backend | None, tokens: SpecialTokens, defaults: dict[str, Any],
         max_input_tokens: int | None | object = _FROM_DIR, shape: ModelShape | None = None,
     ):
         """`max_input_tokens`: longest input in tokens (None or 0: no limit); by default the dir's
         tokenizer_config.json `model_max_length` (which an export sets to the length the model was trained with).
-        `shape`: the model's sizes, for the memory check before each call (None: no check)."""
+        `shape`: the model's sizes, for the memory check before each call (None: no check). `backend` None: the
+        runtime generates through `graph_search` alone (set after construction; see `load_runtime`'s search)."""
         self.path = Path(path)
         self.shape = shape
         self.backend = backend
