@@ -123,7 +123,8 @@ def _metric_rows(report: dict) -> list[tuple[str, str]]:
 
 def _search_graph_rows(report: dict) -> list[tuple[str, str]]:
     """generator.onnx (export / quantize --search-graph): how its search matched the Python search's tokens."""
-    check = report.get("search_graph") or (report.get("graphs") or {}).get("search_graph")
+    graphs = report.get("graphs")  # quantize: a dict per graph; export: the graph names
+    check = report.get("search_graph") or (graphs.get("search_graph") if isinstance(graphs, dict) else None)
     if not isinstance(check, dict) or "greedy" not in check:
         return []
     rows = check["rows"]
