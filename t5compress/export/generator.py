@@ -234,7 +234,9 @@ def same_rows(a, b, tok, beams: int) -> int:
     shorter result is padded with the search's fill value first)."""
     import numpy as np
 
-    fill = tok.pad if beams == 1 else (tok.pad or tok.eos[0])
+    from t5compress.runtime.search import fill_value
+
+    fill = fill_value(tok, beams)
     width = max(a.shape[1], b.shape[1])
     a, b = (np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=fill) for x in (a, b))
     return int((a == b).all(axis=1).sum())

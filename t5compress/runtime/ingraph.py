@@ -18,6 +18,7 @@ import numpy as np
 
 from t5compress.errors import ConfigError, ModelError
 from t5compress.names import GENERATOR, MANIFEST_FILE, ONNX_SUFFIX
+from t5compress.runtime.search import fill_value
 from t5compress.runtime.sessions import Graph, OnnxGraph
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens
 
@@ -30,8 +31,8 @@ def generator_entry(path: Path, with_file: bool = True) -> dict:
     manifest = path / MANIFEST_FILE
     entry = json.loads(manifest.read_text()).get(GENERATOR) if manifest.is_file() else None
     if entry is None or (with_file and not (path / f"{GENERATOR}{ONNX_SUFFIX}").is_file()):
-        raise ModelError(f"--search graph: '{path}' has no {GENERATOR}{ONNX_SUFFIX}; build it with "
-                         "`t5compress export ... --search-graph` (or quantize ... --search-graph), or use --search "
+        raise ModelError(f"--search graph: '{path}' has no {GENERATOR}{ONNX_SUFFIX}; export with "
+                         "`t5compress export ... --search-graph` (quantize then keeps it in int8), or use --search "
                          "python")
     return entry
 
@@ -52,7 +53,7 @@ class GraphSearch:
         """One line for a setting the built graph cannot honour."""
         for name in ("early_stopping", "no_repeat_ngram_size"):
             asked, built = getattr(s, name), self.fixed[name]
-            if asked != built and not (name == "early_stopping" and asked in (0, 1) and bool(asked) == built):
+            if asked != built:
                 raise ConfigError(f"--search graph: {name} {asked!r} asked, the dir's {GENERATOR}{ONNX_SUFFIX} was "
                                   f"built with {built!r}; use --search python, or rebuild it with that setting in "
                                   "generation_config.json")
@@ -82,7 +83,6 @@ def finish(seqs: np.ndarray, s: GenerationSettings, tok: SpecialTokens) -> np.nd
     ended = padded.any(axis=1)
     stop = np.where(ended, padded.argmax(axis=1) + 2, seqs.shape[1])  # row length, EOS included
     positions = np.arange(seqs.shape[1])[None, :]
-    fill = tok.pad if s.num_beams == 1 else (tok.pad or (tok.eos[0] if tok.eos else -1))
-    out = np.where(positions >= stop[:, None], fill, seqs)
+    out = np.where(positions >= stop[:, None], fill_value(tok, s.num_beams), seqs)
     out[ended, stop[ended] - 1] = tok.eos[0]
     return out[:, : int(stop.max())]

@@ -130,6 +130,14 @@ def _topk_chunked(x: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(cand, order, axis=1)
 
 
+def fill_value(tok: SpecialTokens, num_beams: int) -> int:
+    """What pads a finished row: greedy, the pad id; beam search, transformers' `pad or eos` (for T5, whose pad is 0,
+    the EOS id)."""
+    if num_beams == 1:
+        return tok.pad
+    return tok.pad or (tok.eos[0] if tok.eos else -1)
+
+
 def greedy_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: SpecialTokens) -> np.ndarray:
     """(batch, out_len) int64: start token first; rows that finished early are padded with the pad id.
 
@@ -164,8 +172,7 @@ def beam_search(decoder: Decoder, batch: int, s: GenerationSettings, tok: Specia
     k, max_len = s.num_beams, s.max_length
     k2 = max(2, 1 + len(tok.eos)) * k
     top_k_mask = np.arange(k2) < k  # only the best k candidates of a step may enter the finished set
-    # transformers fills unused positions with `pad or eos` -- for T5 (pad 0) that is the EOS id.
-    fill = tok.pad or (tok.eos[0] if tok.eos else -1)
+    fill = fill_value(tok, k)
     run_seqs = np.full((batch, k, max_len), fill, dtype=np.int64)  # (batch, beams, max_len) live hypotheses
     run_seqs[:, :, 0] = tok.decoder_start
     run_scores = np.zeros((batch, k), dtype=np.float32)
