@@ -26,7 +26,7 @@ FIXTURE_SHAPE = {"d_model": 256, "d_ff": 768, "num_heads": 4, "d_kv": 64, "num_l
 
 def task_data(work: Path, task: str, seed: int) -> Path:
     """Write the fixture's corpus (pretraining), train.jsonl (fine-tuning and calibration), eval.jsonl (200) and
-    heldout.jsonl (1,000 greedy comparisons); returns the corpus.
+    heldout.jsonl (greedy comparisons: 2,000 demo examples, 1,000 docstring sentences); returns the corpus.
 
     demo: the generated toy corpus and the demo tasks (formulaic targets: the model ends up sure of most tokens).
     docstring: human-written sentences of the standard library's docstrings, pretraining on the training ones and
@@ -40,7 +40,7 @@ def task_data(work: Path, task: str, seed: int) -> Path:
     if task == "demo":
         write_jsonl(work / "train.jsonl", make_examples(2000, seed))
         write_jsonl(work / "eval.jsonl", make_examples(200, seed + 1))
-        write_jsonl(work / "heldout.jsonl", make_examples(1000, 7))
+        write_jsonl(work / "heldout.jsonl", make_examples(2000, 7))
         return write_toy_corpus(work / "toy.jsonl", 8000, seed=seed)
     sentences = docstring_sentences()
     held, train = sentences[:1000], sentences[1000:]
@@ -111,7 +111,9 @@ VARIANTS = {  # name: (what, QuantizeConfig fields)
     "before": ("static, the earlier default (gated: every wo kept fp32)",
                {"keep_fp32": "DenseReluDense/wo/", "per_token": "none"}),
     "all-int8": ("static, every group int8", {"keep_fp32": "none", "per_token": "none"}),
-    "per-token": ("static, the default (gated: wo and an untied lm_head per-token int8)", {}),
+    "per-token-wo": ("static, the previous default (gated: wo and an untied lm_head per-token int8)",
+                     {"per_token": "DenseReluDense/wo/,lm_head", "smooth_alpha": 0.0}),
+    "per-token": ("static, the default (gated: SmoothQuant 0.5 and every linear layer per-token int8)", {}),
     "after": ("static, --keep-fp32 sensitive (sensitivity-guided)", {"keep_fp32": "sensitive"}),
     "dynamic": ("dynamic (gated: wo kept fp32)", {"mode": "dynamic"}),
     "blockwise": ("block-wise (MatMulNBits, a scale per 32 channels)", {"mode": "blockwise"}),
@@ -163,17 +165,17 @@ def generate_ms(work: Path, names: list[str], texts: list[str], repeats: int = 3
 
 
 def measure(work: Path, samples: int, eval_max: int, threads: int = 1, heldout: int = 0) -> dict:
-    """`heldout` > 0: compare greedy outputs on the first `heldout` examples of heldout.jsonl (1,000 fresh task
-    examples), not eval.jsonl's (at 200 examples one example is 0.5 points, and the share identical varies by about
+    """`heldout` > 0: compare greedy outputs on the first `heldout` examples of heldout.jsonl (fresh task examples),
+    not eval.jsonl's (at 200 examples one example is 0.5 points, and the share identical varies by about
     2.4 points)."""
     from t5compress.quantize.calibrate import load_texts
     from t5compress.tasks import make_examples, write_jsonl
 
     if heldout and not (work / "heldout.jsonl").is_file():  # a demo fixture built before heldout.jsonl was written
-        write_jsonl(work / "heldout.jsonl", make_examples(1000, 7))
+        write_jsonl(work / "heldout.jsonl", make_examples(2000, 7))
     rows = quantize_all(work, samples, heldout or eval_max, threads, "heldout.jsonl" if heldout else "eval.jsonl")
     texts = load_texts(work / "eval.jsonl", samples=16)
-    names = ["all-int8", "per-token", "after", "before", "blockwise"]
+    names = ["all-int8", "per-token", "per-token-wo", "after", "before", "blockwise"]
     ms, b1 = generate_ms(work, names, texts), generate_ms(work, names, texts[:4], batch=1)
     for n in names:
         rows[n].update(generate_ms=ms[n], speed_vs_all_int8=round(ms[n] / ms["all-int8"], 3),
@@ -191,7 +193,7 @@ def main() -> None:
     ap.add_argument("--skip-flan", action="store_true", help="measure the fixture only")
     ap.add_argument("--skip-fixture", action="store_true", help="keep the fixture's rows from the last run")
     ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads while quantizing (timing: 1)")
-    ap.add_argument("--heldout", type=int, default=1000, help="fixture: held-out examples the greedy outputs are "
+    ap.add_argument("--heldout", type=int, default=2000, help="fixture: held-out examples the greedy outputs are "
                     "compared on (0: the 200 of eval.jsonl)")
     ap.add_argument("--task", choices=("demo", "docstring"), default="demo",
                     help="the fixture's task (see task_data); docstring: --pretrain-steps 300 --finetune-steps 1500")

@@ -126,51 +126,82 @@ def test_quantizing_every_op_type_is_refused_and_writes_nothing(skilled, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]
 
 
-def test_gated_model_gets_wo_and_its_lm_head_per_token_or_wo_fp32_or_smoothed(tiny_gated_dir, demo_jsonl, tmp_path):
+def test_gated_model_gets_every_linear_layer_smoothed_and_per_token_or_wo_fp32(tiny_gated_dir, demo_jsonl, tmp_path):
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
-    from t5compress.quantize.smooth import ChannelMax, ffn_pairs, smooth
+    from t5compress.quantize.graphs import linear_nodes
 
     fp32 = tmp_path / "fp32"
     export(tiny_gated_dir, ExportConfig(), fp32)
     # Random weights give flat logits, where int8 flips near-ties often: the agreement floor is lowered for them.
     default = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5),
                   tmp_path / "default", progress=False)
-    for g, n_wo in (("encoder_model", 2), ("decoder_model", 2), ("decoder_with_past_model", 2)):
-        tokenwise = default["graphs"][g]["per_token"]
-        assert default["graphs"][g]["kept_fp32"] == []
-        assert len([n for n in tokenwise if "DenseReluDense/wo/" in n]) == n_wo
-        assert ("/lm_head/MatMul" in tokenwise) == (g != "encoder_model")  # the untied head
-        assert _ops(tmp_path / "default" / f"{g}.onnx")["MatMulInteger"] == len(tokenwise)
+    for g in ("encoder_model", "decoder_model", "decoder_with_past_model"):
+        tokenwise, linear = default["graphs"][g]["per_token"], linear_nodes(onnx.load(str(fp32 / f"{g}.onnx")))
+        assert default["graphs"][g]["kept_fp32"] == [] and sorted(tokenwise) == sorted(linear)
+        ops = _ops(tmp_path / "default" / f"{g}.onnx")
+        assert ops["MatMulIntegerToFloat"] == len(tokenwise) and "MatMul" in ops  # attention's products stay fp32
+        assert ops["QuantizeLinear"] < len(tokenwise)  # q, k, v (and wi_0, wi_1) share their input's quantization
+        smoothed = default["graphs"]["smooth_quant"][g]
+        assert smoothed["alpha"] == 0.5 and smoothed["groups"] >= 4 and smoothed["layers"] >= 10
+    # the encoder's 2 layers: q|k|v, wi_0|wi_1 (after a norm) and wo (folded into wi_1): 6 groups of 12 layers
+    assert default["graphs"]["smooth_quant"]["encoder_model"] | {"max_scale_ratio": 0} == {
+        "alpha": 0.5, "groups": 6, "layers": 12, "max_scale_ratio": 0}
 
     kept = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5, per_token="none"),
                tmp_path / "kept", progress=False)
     wo = kept["graphs"]["encoder_model"]["kept_fp32"]
     assert wo and all("DenseReluDense/wo/" in n for n in wo) and kept["graphs"]["encoder_model"]["per_token"] == []
+    assert "smooth_quant" not in kept["graphs"]  # auto smooths only under per-token auto
     assert _ops(tmp_path / "kept" / "encoder_model.onnx")["MatMul"] >= len(wo)
-    assert default["size"]["int8_bytes"] < kept["size"]["int8_bytes"]  # wo's weights int8 too
+    def fp32_matrices(path: Path) -> int:  # but the relative position bias table, a lookup kept fp32
+        return sum(1 for t in onnx.load(str(path)).graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+                   and len(t.dims) == 2 and "relative_attention_bias" not in t.name)
+    assert fp32_matrices(tmp_path / "default" / "encoder_model.onnx") == 0  # wo's weights int8 too
+    assert fp32_matrices(tmp_path / "kept" / "encoder_model.onnx") == len(wo)
     named = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
                                      keep_fp32="DenseReluDense/wo/"), tmp_path / "named", progress=False)
-    assert named["graphs"]["decoder_model"]["per_token"] == ["/lm_head/MatMul"]  # what --keep-fp32 names stays fp32
+    named_dec = named["graphs"]["decoder_model"]
+    assert "/lm_head/MatMul" in named_dec["per_token"] and not any("wo/" in n for n in named_dec["per_token"])
+    assert named_dec["kept_fp32"] and all("DenseReluDense/wo/" in n for n in named_dec["kept_fp32"])
 
-    smoothed = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, smooth_alpha=0.5, min_agreement=0.5),
-                   tmp_path / "smoothed", progress=False)
-    assert smoothed["graphs"]["encoder_model"]["kept_fp32"] == []
-    assert smoothed["graphs"]["smooth_quant"]["encoder_model"]["layers"] == 2
+    smoothed = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, smooth_alpha=0.5, per_token="none",
+                                        min_agreement=0.5), tmp_path / "smoothed", progress=False)
+    enc = smoothed["graphs"]["encoder_model"]
+    assert enc["kept_fp32"] == [] and enc["per_token"] == []
+    assert smoothed["graphs"]["smooth_quant"]["encoder_model"]["groups"] == 6
 
-    # The migration itself is exact in fp32: same outputs before quantization (up to float rounding).
+
+@pytest.mark.parametrize("graph", ["encoder_model", "decoder_with_past_model"])
+def test_smoothing_every_group_is_exact_in_fp32(tiny_gated_dir, tmp_path, graph):
+    """The migration changes no output before quantization (up to float rounding), the KV cache included."""
     import onnxruntime as ort
 
-    src = fp32 / "encoder_model.onnx"
-    pairs = ffn_pairs(onnx.load(str(src)))
-    meter = ChannelMax(src, pairs, tmp_path)
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+    from t5compress.quantize.smooth import COLUMNS, NORM, ChannelMax, smooth, smooth_groups
+
+    export(tiny_gated_dir, ExportConfig(), tmp_path / "fp32")
+    src = tmp_path / "fp32" / f"{graph}.onnx"
+    groups = smooth_groups(onnx.load(str(src)))
+    assert {g.fold for g in groups} == {NORM, COLUMNS}
+    sess = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
-    feeds = {"input_ids": rng.integers(3, 200, (2, 7)).astype(np.int64), "attention_mask": np.ones((2, 7), np.int64)}
+    feeds = {}
+    for i in sess.get_inputs():
+        shape = [d if isinstance(d, int) else {"encoder_sequence_length": 7}.get(d, 2 if "batch" in d else 5)
+                 for d in i.shape]
+        feeds[i.name] = (rng.integers(3, 200, shape) if i.type == "tensor(int64)" and "ids" in i.name else
+                         np.ones(shape, np.int64) if i.type == "tensor(int64)" else
+                         rng.standard_normal(shape).astype(np.float32))
+    meter = ChannelMax(src, groups, tmp_path)
     meter(feeds)
-    smooth(src, tmp_path / "s.onnx", pairs, meter.amax, 0.5)
-    a = ort.InferenceSession(str(src)).run(None, feeds)[0]
-    b = ort.InferenceSession(str(tmp_path / "s.onnx")).run(None, feeds)[0]
-    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max() + 1e-6
+    report = smooth(src, tmp_path / "s.onnx", groups, meter.amax, 0.7)
+    assert report["groups"] == len(groups) and report["max_scale_ratio"] > 1
+    a = sess.run(None, feeds)
+    b = ort.InferenceSession(str(tmp_path / "s.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for x, y in zip(a, b, strict=True):
+        assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max() + 1e-6
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(skilled, static_dir, tmp_path):
@@ -267,5 +298,33 @@ def test_per_token_int8_keeps_each_rows_precision_whatever_its_scale(tmp_path):
     assert np.array_equal(got[1, 2], np.zeros(8, np.float32))
     written = onnx.load(str(path))
     assert {t.name for t in written.graph.initializer}.isdisjoint({"w"})
-    assert {n.op_type for n in written.graph.node} >= {"MatMulInteger", "QuantizeLinear"}
+    assert {n.op_type for n in written.graph.node} >= {"MatMulIntegerToFloat", "ReduceMax"}
     assert "MatMul" not in {n.op_type for n in written.graph.node}
+
+
+def test_per_token_layers_reading_one_input_share_its_quantization(tmp_path):
+    """q, k and v read one layer-norm output: one per-row quantization (one ReduceMax) feeds three int8 matmuls,
+    each within int8 error of its fp32 product."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from t5compress.quantize.pertoken import per_token_int8
+
+    rng = np.random.default_rng(1)
+    names = [f"/encoder/block.0/layer.0/SelfAttention/{p}/MatMul" for p in "qkv"]
+    ws = {p: rng.standard_normal((16, 8)).astype(np.float32) for p in "qkv"}
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", f"w_{p}"], [f"y_{p}"], name=n) for p, n in zip("qkv", names, strict=True)],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "len", 16])],
+        [helper.make_tensor_value_info(f"y_{p}", TensorProto.FLOAT, ["batch", "len", 8]) for p in "qkv"],
+        [numpy_helper.from_array(w, f"w_{p}") for p, w in ws.items()])
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    assert per_token_int8(path, names, weight_max=63) == names
+    ops = _ops(path)
+    assert ops["ReduceMax"] == 1 and ops["MatMulIntegerToFloat"] == 3 and ops["MatMul"] == 0
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for p, y in zip("qkv", got, strict=True):
+        want = x @ ws[p]
+        assert np.abs(y - want).max() < 0.03 * np.abs(want).max()

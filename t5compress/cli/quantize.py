@@ -73,3 +73,9 @@ def print_report(report: dict, con) -> None:
     tokenwise = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("per_token", [])})
     if tokenwise:
         con.print(f"per-token int8: {len(tokenwise)} node(s), e.g. {tokenwise[0]}", highlight=False)
+    smoothed = report["graphs"].get("smooth_quant")
+    if smoothed:
+        alpha = next(iter(smoothed.values()))["alpha"]
+        con.print(f"SmoothQuant (alpha {alpha:g}): {sum(s['groups'] for s in smoothed.values())} input(s) of "
+                  f"{sum(s['layers'] for s in smoothed.values())} linear layers rescaled into their weights",
+                  highlight=False)

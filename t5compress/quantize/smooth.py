@@ -1,12 +1,16 @@
-"""SmoothQuant-style scale migration for T5's FFN output projection `wo`, done on the exported fp32 graph.
+"""SmoothQuant-style scale migration for T5's linear layers, done on the exported fp32 graph.
 
-T5 v1.1 / Flan activations entering `wo` have channels with huge outliers: a per-tensor int8 scale sized for them
-rounds every other channel to zero. SmoothQuant divides each input channel j by s_j and multiplies row j of the
+T5 v1.1 / Flan activations have channels with outliers: an int8 scale sized for them (per tensor, or per token)
+rounds every other channel coarsely. SmoothQuant divides each input channel j by s_j and multiplies row j of the
 weight by s_j (the product is unchanged), with s_j = max|x_j|^alpha / max|W_j|^(1 - alpha), so activations and
-weights share the difficulty. The division is folded into the layer that produces the channel, which keeps the
-graph exactly equivalent:
-    relu FFN:   wo(relu(x Wi))          relu(z) / s = relu(z / s) for s > 0: fold into Wi's columns
-    gated FFN:  wo(gelu(x Wi0) * x Wi1) the product is linear in x Wi1: fold into Wi1's columns
+weights share the difficulty. The division is folded into what produces the channel, which keeps the graph exactly
+equivalent in fp32:
+    after a layer norm:  (x / rms(x) * g) W     fold into the norm's weight g: q|k|v, cross q, wi (wi_0|wi_1),
+                                                the LM head of an untied model; layers reading one norm share s
+    relu FFN output:     wo(relu(x Wi))         relu(z) / s = relu(z / s) for s > 0: fold into Wi's columns
+    gated FFN output:    wo(gelu(x Wi0) * x Wi1) the product is linear in x Wi1: fold into Wi1's columns
+Left as they are: attention's `o` (its input is the value cache another graph wrote) and cross-attention k/v (their
+input is the encoder's output, read by another graph).
 """
 
 from __future__ import annotations
@@ -24,77 +28,123 @@ from t5compress.runtime.sessions import load_onnx, onnx_session
 
 log = logging.getLogger(__name__)
 
+NORM, COLUMNS = "norm", "columns"  # how a group's scale is folded: into a norm weight, or a producer's weight columns
+
 
 @dataclass(frozen=True)
-class Pair:
-    """One FFN: the `wo` MatMul, its input tensor, and the MatMul whose weight columns absorb the scale."""
+class Group:
+    """Linear layers reading one tensor (`x`), and where the division by their shared scale is folded."""
 
-    wo: str
-    wo_input: str
-    wo_weight: str
-    fold: str
+    x: str
+    nodes: tuple[str, ...]
+    weights: tuple[str, ...]
+    fold: str  # NORM or COLUMNS
     fold_weight: str
+    norm: str = ""  # NORM: the Mul node applying the norm's weight (which gets its own rescaled copy) ...
+    norm_input: str = ""  # ... and its input that reads the weight (the initializer, or an Identity of it)
 
 
-def ffn_pairs(model: onnx.ModelProto) -> list[Pair]:
-    """Every FFN whose `wo` input channels can be rescaled exactly (see the module docstring)."""
+def smooth_groups(model: onnx.ModelProto) -> list[Group]:
+    """Every group of linear layers whose input channels can be rescaled exactly (see the module docstring)."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outputs = {o.name for o in g.output}
+
+    def only_user(name: str) -> bool:
+        return len(readers.get(name, [])) == 1 and name not in outputs
+
+    groups = []
+    for x, users in readers.items():
+        linear = [u for u in users if u.op_type == "MatMul" and u.input[0] == x and u.input[1] in inits]
+        norm = producer.get(x)
+        if (not linear or x in outputs or norm is None or norm.op_type != "Mul"
+                or any(u.op_type != "Shape" for u in users if u not in linear)
+                or not all(only_user(u.input[1]) for u in linear)):
+            continue
+        # The exporter stores equal norm weights once, read through Identity nodes (a fresh model's ones): the
+        # fold gives each norm its own copy.
+        source = {i: producer[i].input[0] if i in producer and producer[i].op_type == "Identity" else i
+                  for i in norm.input}
+        gain = [i for i in norm.input if source[i] in inits and len(inits[source[i]].dims) == 1]
+        if len(gain) == 1:
+            groups.append(Group(x, tuple(u.name for u in linear), tuple(u.input[1] for u in linear), NORM,
+                                source[gain[0]], norm.name, gain[0]))
+    return groups + ffn_output_groups(model, readers)
+
+
+def ffn_output_groups(model: onnx.ModelProto, readers: dict[str, list]) -> list[Group]:
+    """Each FFN output `wo` whose input channels can be divided in the columns of `wi_1` (gated) or `wi` (relu)."""
     nodes = {n.name: n for n in model.graph.node}
     inits = {t.name for t in model.graph.initializer}
-    uses: dict[str, int] = {}
-    for n in model.graph.node:
-        for x in n.input:
-            uses[x] = uses.get(x, 0) + 1
-    pairs = []
+    groups = []
     for n in model.graph.node:
         if n.op_type != "MatMul" or FFN_OUTPUT not in n.name or n.input[1] not in inits:
             continue
         prefix = n.name[: n.name.index(FFN_OUTPUT)] + "DenseReluDense/"
         fold = nodes.get(prefix + "wi_1/MatMul") or nodes.get(prefix + "wi/MatMul")
-        if fold is None or fold.input[1] not in inits or uses.get(fold.input[1], 0) != 1 or uses[n.input[1]] != 1:
+        if (fold is None or fold.input[1] not in inits or len(readers.get(fold.input[1], [])) != 1
+                or len(readers[n.input[1]]) != 1):
             log.info("smoothing: %s has no foldable producer; left as is", n.name)
             continue
-        pairs.append(Pair(n.name, n.input[0], n.input[1], fold.name, fold.input[1]))
-    return pairs
+        groups.append(Group(n.input[0], (n.name,), (n.input[1],), COLUMNS, fold.input[1]))
+    return groups
 
 
 class ChannelMax:
-    """Per-channel max |x| of the `wo` inputs, collected from real feeds through an augmented ONNX Runtime session."""
+    """Per-channel max |x| of the groups' inputs, collected from real feeds through an augmented ONNX Runtime
+    session."""
 
-    def __init__(self, path: Path, pairs: list[Pair], work: Path):
-
+    def __init__(self, path: Path, groups: list[Group], work: Path):
         model = load_onnx(str(path))
         known = {o.name for o in model.graph.output}
-        for p in pairs:
-            if p.wo_input not in known:
-                model.graph.output.append(onnx.helper.make_empty_tensor_value_info(p.wo_input))
+        self.inputs = list(dict.fromkeys(g.x for g in groups))
+        model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(x) for x in self.inputs if x not in known)
         aug = work / f"{path.stem}.channels.onnx"
         onnx.save(model, str(aug))
         self.session = onnx_session(aug)
-        self.pairs = pairs
         self.amax: dict[str, np.ndarray] = {}
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> None:
-        names = [p.wo_input for p in self.pairs]
-        for name, x in zip(names, self.session.run(names, feeds), strict=True):
-            m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)  # (d_ff,)
+        for name, x in zip(self.inputs, self.session.run(self.inputs, feeds), strict=True):
+            m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)  # (channels,)
             self.amax[name] = np.maximum(self.amax[name], m) if name in self.amax else m
 
 
-def smooth(path: Path, dst: Path, pairs: list[Pair], amax: dict[str, np.ndarray], alpha: float) -> dict:
-    """Write the rescaled graph to `dst`; returns how far the scales spread (for the report)."""
+def smooth(path: Path, dst: Path, groups: list[Group], amax: dict[str, np.ndarray], alpha: float) -> dict:
+    """Write the rescaled graph to `dst`; returns how many groups were rescaled and how far their scales spread."""
     model = load_onnx(str(path))
     inits = {t.name: t for t in model.graph.initializer}
+    nodes = {n.name: n for n in model.graph.node}
+
+    def put(name: str, value: np.ndarray) -> None:
+        inits[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+
     spread = []
-    for p in pairs:
-        if p.wo_input not in amax:
+    for grp in groups:
+        if grp.x not in amax:
             continue
-        w = numpy_helper.to_array(inits[p.wo_weight])  # (d_ff, d_model): MatMul(x, W), input channel = row
-        f = numpy_helper.to_array(inits[p.fold_weight])  # (d_model, d_ff): output channel = column
-        a = np.maximum(amax[p.wo_input], 1e-5)
-        wmax = np.maximum(np.abs(w).max(axis=1), 1e-5)
-        s = np.clip(a**alpha / wmax ** (1 - alpha), 1e-5, 1e5).astype(np.float32)  # (d_ff,)
-        inits[p.wo_weight].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(w.dtype), p.wo_weight))
-        inits[p.fold_weight].CopyFrom(numpy_helper.from_array((f / s[None, :]).astype(f.dtype), p.fold_weight))
+        ws = [numpy_helper.to_array(inits[w]) for w in grp.weights]  # (in, out): MatMul(x, W), input channel = row
+        wmax = np.maximum(np.max([np.abs(w).max(axis=1) for w in ws], axis=0), 1e-5)
+        s = np.clip(np.maximum(amax[grp.x], 1e-5) ** alpha / wmax ** (1 - alpha), 1e-5, 1e5).astype(np.float32)
+        for name, w in zip(grp.weights, ws, strict=True):
+            put(name, w * s[:, None])
+        f = numpy_helper.to_array(inits[grp.fold_weight])  # a norm's (channels,) or a producer's (in, channels)
+        if grp.fold == NORM:
+            own = grp.norm + "/smoothed_weight"
+            model.graph.initializer.append(numpy_helper.from_array((f / s).astype(np.float32), own))
+            mul = nodes[grp.norm]
+            mul.input[list(mul.input).index(grp.norm_input)] = own
+        else:
+            put(grp.fold_weight, f / s[None, :])
         spread.append(float(s.max() / s.min()))
+    read = {i for n in model.graph.node for i in n.input}
+    for t in [t for t in model.graph.initializer if t.name not in read]:  # norm weights every norm now has a copy of
+        model.graph.initializer.remove(t)
     onnx.save(model, str(dst))
-    return {"alpha": alpha, "layers": len(spread), "max_scale_ratio": round(max(spread), 2) if spread else None}
+    return {"alpha": alpha, "groups": len(spread), "layers": sum(len(g.nodes) for g in groups if g.x in amax),
+            "max_scale_ratio": round(max(spread), 2) if spread else None}

@@ -25,6 +25,7 @@ from t5compress.errors import ModelError, QuantizeError, first_line
 from t5compress.names import DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GENERATOR, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
 from t5compress.quantize.sources import (
+    AUTO_ALPHA,
     KEEP_AUTO,
     KEEP_NONE,
     KEEP_SENSITIVE,
@@ -36,6 +37,7 @@ from t5compress.quantize.sources import (
     per_token_nodes,
     plan_for,
     smoothed,
+    smoothing_alpha,
     untied,
 )
 
@@ -69,18 +71,22 @@ class QuantizeConfig:
     op_types: tuple[str, ...] = opt(("MatMul", "Gemm"), "Op types quantized. MatMul/Gemm mean the linear layers "
                                                        "(constant weights); others are quantized wherever they occur.")
     embeddings: bool = opt(True, "Also store the token embedding (Gather) as int8.")
-    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (T5's FFN output `wo` for gated-gelu models, unless "
-                                    "smoothed), sensitive (static: measure each layer group's sensitivity, keep the "
-                                    "fewest groups fp32 that reach --target-agreement), none, or comma-separated "
-                                    "name parts, e.g. 'DenseReluDense/wo/'.")
+    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (none; for gated-gelu models without per-token or "
+                                    "smoothing, T5's FFN output `wo`), sensitive (static: measure each layer group's "
+                                    "sensitivity, keep the fewest groups fp32 that reach --target-agreement), none, "
+                                    "or comma-separated name parts, e.g. 'DenseReluDense/wo/'.")
     target_agreement: float = opt(0.97, "Static, --keep-fp32 sensitive: the next-token agreement with fp32 the kept "
                                         "groups must reach on the calibration texts.")
     per_token: str = opt(PER_TOKEN_AUTO, "Static: linear layers given per-token int8 (a scale per input row, computed "
                                          "at run time; int8 weights as elsewhere) instead of a calibrated scale: "
-                                         "auto (gated-gelu models: the FFN output `wo` and an untied LM head, whose "
-                                         "inputs vary most from token to token), none, or comma-separated name parts.")
-    smooth_alpha: float = opt(0.0, "SmoothQuant migration strength for `wo` inputs (0 disables; 0.5 is typical): "
-                                   "keeps `wo` int8 without its outliers.")
+                                         "auto (gated-gelu models: every linear layer, whose inputs vary by orders "
+                                         "of magnitude from token to token; none for relu models), none, or "
+                                         "comma-separated name parts.")
+    smooth_alpha: float | None = opt(None, "SmoothQuant migration strength (0 disables, 1 moves all of an input "
+                                           "channel's range into the weights): outlier channels of the layer-norm "
+                                           "outputs and FFN inputs of `wo` are scaled into the weights, exactly. "
+                                           f"Default: {AUTO_ALPHA} for gated-gelu models under --per-token auto, "
+                                           "else 0.")
     eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side.")
     eval_max: int = opt(200, "Evaluate on at most this many eval records.")
     min_agreement: float = opt(0.9, "Refuse the result when int8 picks fp32's next token less often than this.")
@@ -102,10 +108,11 @@ class QuantizeConfig:
         require(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         require(0 < self.percentile <= 100, "percentile", f"must be in (0, 100], got {self.percentile}")
         require(bool(self.op_types), "op_types", "give at least one op type, e.g. MatMul")
-        require(0 <= self.smooth_alpha <= 1, "smooth_alpha", f"must be in [0, 1], got {self.smooth_alpha}")
-        require(self.smooth_alpha == 0 or bool(self.calib_data), "smooth_alpha",
+        require(self.smooth_alpha is None or 0 <= self.smooth_alpha <= 1, "smooth_alpha",
+                f"must be in [0, 1], got {self.smooth_alpha}")
+        require(not self.smooth_alpha or bool(self.calib_data), "smooth_alpha",
                 "smoothing measures activations: give --calib-data")
-        require(self.smooth_alpha == 0 or self.mode != "blockwise", "smooth_alpha",
+        require(not self.smooth_alpha or self.mode != "blockwise", "smooth_alpha",
                 "block-wise int8 scales each block of 32 channels itself: drop --smooth-alpha")
         require(0 <= self.target_agreement <= 1, "target_agreement",
                 f"must be in [0, 1], got {self.target_agreement}")
@@ -231,10 +238,10 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
         if cfg.embeddings:
             sources = {g: untied(p, work) for g, p in sources.items()}
-        smoothing = None
-        if cfg.smooth_alpha > 0:
-            sources, smoothing = smoothed(src, sources, cfg, texts, work, progress)
         gated = is_gated(src)
+        smoothing, alpha = None, smoothing_alpha(cfg, gated)
+        if alpha > 0:
+            sources, smoothing = smoothed(src, sources, alpha, cfg, texts, work, progress)
         # Opt-in: on the trained gated fixture the measured choice (all int8) kept fewer held-out outputs than the
         # `wo`-fp32 default (84% vs 87.5% identical greedy outputs), and on random flan-t5-small weights it kept 105 of
         # 146 groups fp32 in 512 s (benchmarks/results/int8_gated.md): not yet a better default.

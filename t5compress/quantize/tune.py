@@ -171,7 +171,7 @@ class Pipeline:
 def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = True) -> dict:
     """Tune and write the three int8 graphs into `tmp`; returns the `graphs` part of the quantize report."""
     from t5compress.quantize.methods import scratch_dir
-    from t5compress.quantize.sources import drive_texts, is_gated, smoothed, untied
+    from t5compress.quantize.sources import drive_texts, is_gated, smoothed, smoothing_alpha, untied
 
     _onc()
     if not evalset:
@@ -197,8 +197,9 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
             sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
             if cfg.embeddings:  # the same untied, smoothed fp32 graphs as untuned static int8 starts from
                 sources = {g: untied(p, Path(scratch)) for g, p in sources.items()}
-            if cfg.smooth_alpha > 0:
-                sources, report["smooth_quant"] = smoothed(src, sources, cfg, texts, Path(scratch), progress)
+            alpha = smoothing_alpha(cfg, is_gated(src))
+            if alpha > 0:
+                sources, report["smooth_quant"] = smoothed(src, sources, alpha, cfg, texts, Path(scratch), progress)
             for g in TUNE_ORDER:
                 dst = tmp / f"{g}{ONNX_SUFFIX}"
                 status(f"tuning {g}")
