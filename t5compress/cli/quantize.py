@@ -19,8 +19,8 @@ def quantize(
     static: Annotated[bool, typer.Option("--static", help="Static int8 on --calib-data (default).")] = False,
     dynamic: Annotated[bool, typer.Option("--dynamic", help="Dynamic int8: no calibration data needed.")] = False,
     blockwise: Annotated[bool, typer.Option("--blockwise", help="Block-wise int8 (a scale per 32 input channels of "
-                                            "weights and activations; ONNX Runtime's MatMulNBits): the closest to "
-                                            "fp32, no calibration data, slower than static at batch > 1.")] = False,
+                                            "weights and activations; ONNX Runtime's MatMulNBits): no calibration "
+                                            "data, slower than static at batch > 1.")] = False,
     force: Force = False,
     **opts,
 ) -> None:

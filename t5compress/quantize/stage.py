@@ -50,7 +50,7 @@ MODES = ("static", "dynamic", "blockwise")
 @dataclass(frozen=True)
 class QuantizeConfig:
     mode: str = opt("static", "static (calibrated activation ranges), dynamic (ranges computed per call) or "
-                              "blockwise (a scale per 32 input channels, weights and activations: closest to fp32, "
+                              "blockwise (a scale per 32 input channels, weights and activations: no calibration, "
                               "slower at batch).")
     calib_data: str | None = opt(None, "Calibration texts: any data file `train` reads (its source field) or a .txt "
                                        "file with one text per line. Required for static.")
