@@ -71,8 +71,9 @@ def _op(prefix: str, kind: str, inputs: list[str], out: str, outside: tuple[str,
 
 def _quantize_rows(model: onnx.ModelProto, x: str, p: str, opset: int) -> list:
     """The nodes (and, added to `model`, the constants) quantizing `x` per row, in x's own shape: `p`x_uint8 and
-    `p`x_scale (x's shape with 1 as its last axis) for the layers reading it. No QuantizeLinear: its per-axis form
-    takes one axis, and a row of a (batch, length, channels) tensor has two."""
+    `p`x_scale (x's shape with 1 as its last axis) for the layers reading it. QuantizeLinear's per-axis scales take
+    one axis, and a row of a (batch, length, channels) tensor has two: x is divided by its rows' scales first, and
+    QuantizeLinear (scale 1) only rounds and shifts."""
     _constants(model, p, {"int8_max": np.array(127.0, np.float32), "tiny": np.array(1e-12, np.float32),
                           "axis_last": np.array([-1], np.int64), "one": np.array(1.0, np.float32),
                           "zero_point": np.array(128, np.uint8)})
