@@ -1,11 +1,12 @@
 """Generation inside ONNX Runtime: one call of `generator.onnx` (see `export.generator`) per batch.
 
-The search runs in ONNX Runtime's `BeamSearch` operator (greedy is one beam: a row that picks EOS ends there, as in
-greedy search), so the host does no per-step work. Settings map onto the operator's inputs; the two it fixes when the
-graph is built (early_stopping, no_repeat_ngram_size) must match what was built, and a single EOS id is required.
-The sequences come back as the Python search returns them (`finish`): EOS put back where the operator left it
-out, padded as that search pads, cropped to the longest row. One reading differs: a pad id the model generated
-before EOS ends the row there (T5 models do not generate their pad id, which is also the decoder start token).
+The search runs in ONNX Runtime's `BeamSearch` operator (greedy is one beam with no length penalty: a row that
+picks EOS ends there, as in greedy search), so the host does no per-step work. Settings map onto the operator's
+inputs; the two it fixes when the graph is built (early_stopping, no_repeat_ngram_size) must match what was built,
+and a single EOS id is required. The sequences come back as the Python search returns them (`finish`): EOS put back
+where the operator left it out, padded as that search pads, cropped to the longest row. One reading differs: a pad
+id the model generated before EOS ends the row there (T5 models do not generate their pad id, which is also the
+decoder start token).
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class GraphSearch:
             "max_length": np.array([s.max_length], np.int32), "min_length": np.array([s.min_length], np.int32),
             "num_beams": np.array([s.num_beams], np.int32),
             "num_return_sequences": np.array([s.num_return_sequences], np.int32),
-            "length_penalty": np.array([s.length_penalty], np.float32),
+            # Greedy has no length penalty. The operator's one beam has: with it, a continuation past the EOS that
+            # greedy picks can score higher per token than the row ended there, and the operator returns that one.
+            "length_penalty": np.array([s.length_penalty if s.num_beams > 1 else 0.0], np.float32),
             "repetition_penalty": np.array([s.repetition_penalty], np.float32),
         }
         seqs = self.graph.run(feeds)["sequences"].astype(np.int64)
