@@ -75,8 +75,8 @@ def _quantize_rows(model: onnx.ModelProto, x: str, p: str, opset: int) -> list:
     one axis, and a row of a (batch, length, channels) tensor has two: x is divided by its rows' scales first, and
     QuantizeLinear (scale 1) only rounds and shifts."""
     _constants(model, p, {"int8_max": np.array(127.0, np.float32), "tiny": np.array(1e-12, np.float32),
-                          "axis_last": np.array([-1], np.int64), "one": np.array(1.0, np.float32),
-                          "zero_point": np.array(128, np.uint8)})
+                          "one": np.array(1.0, np.float32), "zero_point": np.array(128, np.uint8),
+                          **({"axis_last": np.array([-1], np.int64)} if opset >= 18 else {})})
     reduce_max = (_op(p, "ReduceMax", ["x_abs", "axis_last"], "x_max", keepdims=1) if opset >= 18 else
                   _op(p, "ReduceMax", ["x_abs"], "x_max", axes=[-1], keepdims=1))  # axes became an input in 18
     return [
