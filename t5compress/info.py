@@ -167,16 +167,9 @@ def _int8_rows(report: dict) -> list[tuple[str, str]]:
             ("size vs fp32", f"{_human(size['int8_bytes'])} vs {_human(size['fp32_bytes'])} ({size['ratio']:.2f}x)"),
             ("agreement with fp32", f"next token {check['next_token_agreement']:.2%}, greedy outputs "
                                     f"{check['greedy_agreement']:.2%} ({check['texts']} {check['on']})")]
-    graphs = report.get("graphs") or {}
-    tokenwise = {n for g in graphs.values() if isinstance(g, dict) for n in g.get("per_token") or []}
-    if tokenwise:
-        rows.append(("per-token int8", f"{len(tokenwise)} linear layers (a scale per input row)"))
-    smoothed = graphs.get("smooth_quant") or {}
-    if smoothed:
-        alpha = next(iter(smoothed.values()))["alpha"]
-        inputs = sum(s.get("groups", s["layers"]) for s in smoothed.values())  # older reports: `wo` only, no groups
-        layers = sum(s["layers"] for s in smoothed.values())
-        rows.append(("SmoothQuant", f"alpha {alpha:g}: {inputs} inputs of {layers} linear layers rescaled"))
+    from t5compress.quantize.stage import applied
+
+    rows += applied(report)
     ev = report.get("eval")
     if ev:
         if "greedy_agreement" in ev:  # older reports have only the metrics

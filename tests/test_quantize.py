@@ -147,6 +147,17 @@ def test_gated_model_gets_every_linear_layer_smoothed_and_per_token_or_wo_fp32(t
     # the encoder's 2 layers: q|k|v, wi_0|wi_1 (after a norm) and wo (folded into wi_1): 6 groups of 12 layers
     assert default["graphs"]["smooth_quant"]["encoder_model"] | {"max_scale_ratio": 0} == {
         "alpha": 0.5, "groups": 6, "layers": 12, "max_scale_ratio": 0}
+    # what the CLI and `info` print of it, and of a report from before groups were recorded
+    from t5compress.quantize.stage import applied
+
+    shown = dict(applied(default))
+    every = {n for g in default["graphs"].values() if isinstance(g, dict) for n in g.get("per_token") or []}
+    assert shown["per-token int8"].startswith(f"{len(every)} linear layers")
+    smoothed = default["graphs"]["smooth_quant"].values()
+    assert shown["SmoothQuant"] == (f"alpha 0.5: {sum(s['groups'] for s in smoothed)} inputs of "
+                                    f"{sum(s['layers'] for s in smoothed)} linear layers rescaled into their weights")
+    older = {"graphs": {"smooth_quant": {"encoder_model": {"alpha": 0.5, "layers": 2, "max_scale_ratio": 3.0}}}}
+    assert applied(older) == [("SmoothQuant", "alpha 0.5: 2 inputs of 2 linear layers rescaled into their weights")]
 
     kept = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5, per_token="none"),
                tmp_path / "kept", progress=False)

@@ -8,6 +8,7 @@ import typer
 
 from t5compress.cli.common import Force, OutDir, command, config_from, console, fail, field_options, with_options
 from t5compress.quantize.stage import QuantizeConfig as Q
+from t5compress.quantize.stage import applied
 from t5compress.stages import stage
 
 
@@ -70,12 +71,5 @@ def print_report(report: dict, con) -> None:
     kept = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("kept_fp32", [])})
     if kept:
         con.print(f"kept fp32: {len(kept)} node(s), e.g. {kept[0]}", highlight=False)
-    tokenwise = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("per_token", [])})
-    if tokenwise:
-        con.print(f"per-token int8: {len(tokenwise)} node(s), e.g. {tokenwise[0]}", highlight=False)
-    smoothed = report["graphs"].get("smooth_quant")
-    if smoothed:
-        alpha = next(iter(smoothed.values()))["alpha"]
-        con.print(f"SmoothQuant (alpha {alpha:g}): {sum(s['groups'] for s in smoothed.values())} input(s) of "
-                  f"{sum(s['layers'] for s in smoothed.values())} linear layers rescaled into their weights",
-                  highlight=False)
+    for label, text in applied(report):
+        con.print(f"{label}: {text}", highlight=False)

@@ -54,17 +54,13 @@ def smooth_groups(model: onnx.ModelProto) -> list[Group]:
         for x in n.input:
             readers.setdefault(x, []).append(n)
     outputs = {o.name for o in g.output}
-
-    def only_user(name: str) -> bool:
-        return len(readers.get(name, [])) == 1 and name not in outputs
-
     groups = []
     for x, users in readers.items():
         linear = [u for u in users if u.op_type == "MatMul" and u.input[0] == x and u.input[1] in inits]
         norm = producer.get(x)
         if (not linear or x in outputs or norm is None or norm.op_type != "Mul"
                 or any(u.op_type != "Shape" for u in users if u not in linear)
-                or not all(only_user(u.input[1]) for u in linear)):
+                or any(len(readers[u.input[1]]) != 1 for u in linear)):  # a weight another node shares stays
             continue
         # The exporter stores equal norm weights once, read through Identity nodes (a fresh model's ones): the
         # fold gives each norm its own copy.

@@ -216,6 +216,24 @@ def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, graphs: dict) -> None:
         graphs["search_graph"] = check_generator(tmp, cfg.max_new_tokens, strict=False)
 
 
+def applied(report: dict) -> list[tuple[str, str]]:
+    """What a quantize report says was done beyond calibrated int8: per-token layers and SmoothQuant, as (label, text)
+    for the CLI's summary and `info` (reports before 2026-12-05 smoothed `wo` only and record no groups)."""
+    graphs = report.get("graphs") or {}
+    out = []
+    tokenwise = {n for g in graphs.values() if isinstance(g, dict) for n in g.get("per_token") or []}
+    if tokenwise:
+        out.append(("per-token int8", f"{len(tokenwise)} linear layers (a scale per input row)"))
+    smoothed = graphs.get("smooth_quant") or {}
+    if smoothed:
+        alpha = next(iter(smoothed.values()))["alpha"]
+        inputs = sum(s.get("groups", s["layers"]) for s in smoothed.values())
+        layers = sum(s["layers"] for s in smoothed.values())
+        out.append(("SmoothQuant", f"alpha {alpha:g}: {inputs} inputs of {layers} linear layers rescaled into their "
+                                   "weights"))
+    return out
+
+
 def _settings(cfg: QuantizeConfig) -> dict:
     s = {"mode": cfg.mode, "format": cfg.format, "per_channel": cfg.per_channel, "op_types": list(cfg.op_types),
          "embeddings": cfg.embeddings, "weight_max": weight_max(cfg.weight_range)}
