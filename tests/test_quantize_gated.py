@@ -95,6 +95,25 @@ def test_sensitive_measures_every_group_and_keeps_the_most_sensitive_fp32(guided
     assert guided["check"]["next_token_agreement"] >= s["all_int8"]["next_token_agreement"] - 0.02
 
 
+def test_fp32_embeddings_leave_the_other_nodes_alone(gated_export, demo_jsonl, tmp_path):
+    """With every linear layer per-token and the embeddings fp32, calibration has no node to quantize: the graph is
+    left as it is (ONNX Runtime's quantizer took an empty node list for every node: attention's products, the
+    position bias and the value cache went int8, 56% next-token agreement)."""
+    cfg = QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5, embeddings=False)
+    r = run(gated_export, cfg, tmp_path / "q", progress=False)
+    for g in ("encoder_model", "decoder_model"):
+        graph = onnx.load(str(tmp_path / "q" / f"{g}.onnx")).graph
+        assert all(n.input[0].endswith("per_token_x_scaled") for n in graph.node if n.op_type == "QuantizeLinear")
+        assert not [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    assert r["check"]["next_token_agreement"] >= 0.9
+
+
+def _ops(path: Path) -> dict[str, int]:
+    from collections import Counter
+
+    return dict(Counter(n.op_type for n in onnx.load(str(path)).graph.node))
+
+
 def test_untied_embedding_lookup_gathers_int8_rows(gated_export, demo_jsonl, tmp_path):
     r = run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=16, keep_fp32="none", min_agreement=0),
             tmp_path / "q", progress=False)
