@@ -61,6 +61,11 @@ def print_report(report: dict, con) -> None:
         con.print(f"tuned by onnx-neural-compressor: {len(tuned['trials'])} trial(s), {tuned['metric']} "
                   f"{tuned['int8']:g} vs fp32 {tuned['fp32']:g} (goal {tuned['goal']:g})", highlight=False)
     sens = report["graphs"].get("sensitivity")
+    target = report.get("target_agreement")
+    if not sens and not tuned and target and check["next_token_agreement"] < target:
+        con.print(f"next token {check['next_token_agreement']:.2%} is below the target {target:.1%}: "
+                  "--keep-fp32 sensitive measures each layer group and keeps the fewest fp32 that reach it",
+                  highlight=False)
     if sens:
         from t5compress.quantize.sensitivity import ranked, summary
 

@@ -166,10 +166,15 @@ def _gather_scaled(model: onnx.ModelProto, node, copy: str, out: str, inits: dic
 def save_without(model: onnx.ModelProto, dead: set[str], path: Path) -> None:
     """Write `model` to `path` without the nodes named in `dead`, the others in topological order (a rewrite appends
     its new nodes at the end)."""
+    drop_nodes(model, dead)
+    onnx.save(model, str(path))
+
+
+def drop_nodes(model: onnx.ModelProto, dead: set[str]) -> None:
+    """Remove the nodes named in `dead` from `model`, the others left in topological order."""
     kept = [n for n in model.graph.node if n.name not in dead]
     del model.graph.node[:]
     model.graph.node.extend(topological(kept))
-    onnx.save(model, str(path))
 
 
 def topological(nodes: list) -> list:
@@ -211,40 +216,47 @@ def graph_index(model) -> tuple[dict, dict, dict[str, int]]:
     return inits, producers, users
 
 
-def gather_int8_rows(path: Path) -> int:
-    """In a static int8 graph, make each untied embedding lookup gather int8 rows instead of dequantizing its table.
+def int8_row_lookups(model: onnx.ModelProto, names: set[str]) -> int:
+    """Make each embedding lookup among the Gather nodes `names` of `model` (in place) gather rows of an int8 copy of
+    its table, each row scaled by its own scale; returns the lookups rewritten.
 
-    ONNX Runtime's QDQ quantizer writes an untied table (T5 v1.1 / Flan) as DequantizeLinear(uint8 table) -> Gather:
-    every call dequantizes the whole vocabulary (32128 x 512 for flan-t5-small) to use a few rows. Gathering the
-    uint8 rows first and dequantizing only them, (row - zero point) x scale, gives the same numbers; this is what
-    `share_lm_head_table` does for a tied table. Only per-tensor tables; returns the lookups rewritten."""
+    A scale for the whole table (ONNX Runtime's QDQ and dynamic quantizers) rounds the rows of small norm coarsely:
+    on the docstring fixture block-wise int8 kept 69.0% of held-out outputs with it, 72.2% with a scale per row
+    (4 bytes a row), 75.9% with the table fp32 (0.37x the size instead of 0.28x). No step dequantizes the whole
+    table: the rows are gathered first (a DequantizeLinear of a full table made every t5-small step ~6x slower)."""
+    lookups = [n for n in model.graph.node if n.op_type == "Gather" and n.name in names]
+    for node in lookups:
+        _row_lookup(model, node)
+    if lookups:
+        nodes = topological(list(model.graph.node))
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return len(lookups)
+
+
+def _row_lookup(model: onnx.ModelProto, node) -> None:
+    """`node` gathers rows of an int8 copy of its table, scaled by their own scales. A lookup along axis 1 (a tied
+    table shared in its (d_model, vocab) layout) scales columns."""
+    import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    model = load_onnx(str(path))
-    inits, producers, users = graph_index(model)
-    dead = set()
-    for node in list(model.graph.node):
-        dq = producers.get(node.input[0]) if node.op_type == "Gather" and EMBEDDING in node.name else None
-        if dq is None or dq.op_type != "DequantizeLinear" or users.get(dq.output[0], 0) != 1 or len(dq.input) < 3 \
-                or any(a.name == "axis" for a in node.attribute if a.i != 0):
-            continue
-        table, scale, zero = dq.input[:3]
-        if not all(x in inits for x in (table, scale, zero)) or list(inits[scale].dims) not in ([], [1]):
-            continue
-        out, base = node.output[0], table.removesuffix("_quantized")
-        zero_f = f"{base}_zero_point_float"
-        model.graph.initializer.append(numpy_helper.from_array(
-            numpy_helper.to_array(inits[zero]).astype("float32"), zero_f))
-        node.input[0], node.output[0] = table, f"{out}_int8"
-        model.graph.node.extend([
-            helper.make_node("Cast", [node.output[0]], [f"{base}_rows_float"], name=f"{base}_rows_Cast",
-                             to=TensorProto.FLOAT),
-            helper.make_node("Sub", [f"{base}_rows_float", zero_f], [f"{base}_rows_centred"],
-                             name=f"{base}_rows_Sub"),
-            helper.make_node("Mul", [f"{base}_rows_centred", scale], [out], name=f"{base}_rows_Mul"),
-        ])
-        dead.add(dq.name)
-    if not dead:
-        return 0
-    save_without(model, dead, path)
-    return len(dead)
+    inits = {t.name: t for t in model.graph.initializer}
+    table = inits[node.input[0]]
+    w = numpy_helper.to_array(table).astype(np.float32)  # (vocab, d_model); gathered along axis 1: (d_model, vocab)
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    scale = np.abs(w).max(axis=1 - axis, keepdims=True) / 127.0
+    scale[scale == 0] = 1.0
+    base, out = node.input[0], node.output[0]
+    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+    # gathered scales: (batch, len, 1) beside rows (batch, len, d); (batch, len) beside columns (d, batch, len)
+    scales = scale if axis == 0 else scale.reshape(-1)
+    model.graph.initializer.extend([numpy_helper.from_array(q, f"{base}_int8_rows"),
+                                    numpy_helper.from_array(scales.astype(np.float32), f"{base}_row_scale")])
+    if sum(base in n.input for n in model.graph.node) == 1:
+        model.graph.initializer.remove(table)
+    node.input[0], node.output[0] = f"{base}_int8_rows", f"{out}_int8"
+    model.graph.node.extend([
+        helper.make_node("Cast", [f"{out}_int8"], [f"{out}_float"], name=f"{node.name}_Cast", to=TensorProto.FLOAT),
+        helper.make_node("Gather", [f"{base}_row_scale", node.input[1]], [f"{out}_scale"], name=f"{node.name}_scale",
+                         axis=0),
+        helper.make_node("Mul", [f"{out}_float", f"{out}_scale"], [out], name=f"{node.name}_Mul")])

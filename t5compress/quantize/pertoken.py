@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from t5compress.quantize.graphs import graph_index, save_without
+from t5compress.quantize.graphs import drop_nodes, graph_index
 from t5compress.runtime.sessions import load_onnx
 
 MS_DOMAIN = "com.microsoft"  # MatMulIntegerToFloat: ONNX Runtime's contrib op
@@ -35,6 +35,14 @@ def per_token_int8(path: Path, names: list[str], weight_max: int = 127) -> list[
     rewritten (a node already quantized, or whose weight another node shares, is left). Layers reading one input
     (q, k and v; wi_0 and wi_1) share its quantization."""
     model = load_onnx(str(path))
+    done = rewrite(model, names, weight_max)
+    if done:
+        onnx.save(model, str(path))
+    return done
+
+
+def rewrite(model: onnx.ModelProto, names: list[str] | set[str], weight_max: int = 127) -> list[str]:
+    """`per_token_int8` on a model in memory (changed in place; its nodes left in topological order)."""
     inits, _, users = graph_index(model)
     by_input: dict[str, list] = {}
     for node in list(model.graph.node):
@@ -53,7 +61,7 @@ def per_token_int8(path: Path, names: list[str], weight_max: int = 127) -> list[
     if done and not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     if done:
-        save_without(model, set(done), path)
+        drop_nodes(model, set(done))
     return done
 
 

@@ -4,11 +4,12 @@
 
 A *group* is one projection of one layer (`encoder.1 self q`, `decoder.0 cross o`, `decoder.3 wi_1`, `lm_head`,
 `embeddings`), the same nodes in every graph that holds them (the decoder and decoder-with-past share their names).
-Each group is measured alone: the fp32 graphs with only that group's nodes reading their inputs through the int8
-graph's QuantizeLinear/DequantizeLinear pairs (`mixed`: graph surgery, no new quantization), teacher-forced along
-fp32's greedy outputs on the calibration texts (`check.Reference`): next-token agreement and logit error. Encoder
-groups run the encoder variant and fp32's decoder; decoder groups reuse fp32's encoder states, so the whole table costs
-about one forward pass per group.
+Each group is measured alone, int8 as the stage writes it: the fp32 graphs (smoothed, when the stage smooths) with
+only that group's nodes reading their inputs through the int8 graph's QuantizeLinear/DequantizeLinear pairs (`mixed`:
+graph surgery, no new quantization), or, for per-token layers (a gated model's default), rewritten per-token
+(`pertoken.rewrite`); teacher-forced along fp32's greedy outputs on the calibration texts (`check.Reference`):
+next-token agreement and logit error. Encoder groups run the encoder variant and fp32's decoder; decoder groups reuse
+fp32's encoder states, so the whole table costs about one forward pass per group.
 
 Then the fewest groups are kept fp32, most sensitive first (lowest agreement alone, then largest logit error), found by
 doubling and bisection on the agreement of the all-but-kept int8 graphs. If even the least sensitive group alone stays
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -145,20 +146,29 @@ class _Graft:
 
 @dataclass
 class Variants:
-    """fp32 and all-int8 encoder and decoder graphs, and the files of their mixes (written to `work`)."""
+    """fp32 and all-int8 encoder and decoder graphs, and the files of their mixes (written to `work`). The nodes in
+    `tokenwise` are per-token int8 where int8 (`quantize.pertoken`, rewritten from fp32; the int8 graph leaves them
+    fp32), the others take the int8 graph's QuantizeLinear/DequantizeLinear pairs."""
 
     fp32: dict[str, onnx.ModelProto]
     int8: dict[str, onnx.ModelProto]
     work: Path
     quantizable: dict[str, set[str]]
+    tokenwise: dict[str, set[str]] = field(default_factory=dict)
+    weight_max: int = 127
     count: int = 0
 
     def write(self, graph: str, names: set[str]) -> Path:
         import onnx
 
+        from t5compress.quantize.pertoken import rewrite
+
         self.count += 1
         dst = self.work / f"{graph}.mix{self.count}{ONNX_SUFFIX}"
-        onnx.save(mixed(self.fp32[graph], self.int8[graph], names, self.quantizable[graph]), str(dst))
+        tokenwise = names & self.tokenwise.get(graph, set())
+        model = mixed(self.fp32[graph], self.int8[graph], names - tokenwise, self.quantizable[graph])
+        rewrite(model, tokenwise, self.weight_max)
+        onnx.save(model, str(dst))
         return dst
 
     def graphs(self, names: dict[str, set[str]], threads: int) -> dict:
@@ -248,13 +258,15 @@ def _short(m: dict) -> dict:
 
 
 CHECK_TEXTS = 64  # the texts the stage's own check reads: the sensitivity is measured on the same ones
+PER_TOKEN = "per-token int8"  # the remedy when the linear layers are per-token int8: their outputs stay fp32
 
 
-def guided(fp32_runtime, sources: dict[str, Path], plans: dict, calibrators: dict, cfg, texts: list[str], work: Path,
-           status=lambda text: None) -> tuple[dict, dict]:
+def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[str, list[str]], calibrators: dict,
+           cfg, texts: list[str], work: Path, status=lambda text: None) -> tuple[dict, dict, dict]:
     """Measure every group's sensitivity on the calibrated graphs and keep the fewest fp32 for cfg.target_agreement.
 
-    `plans` quantize everything; returns the plans with the kept groups excluded, and the `sensitivity` report."""
+    `plans` quantize everything but the `tokenwise` nodes (per-token int8, measured as such); returns the plans and
+    the per-token nodes with the kept groups excluded, and the `sensitivity` report."""
     from t5compress.quantize.check import Reference
     from t5compress.quantize.methods import Plan
     from t5compress.runtime.sessions import load_onnx
@@ -262,19 +274,25 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, calibrators: dic
     measured = (ENCODER, DECODER)
     status("sensitivity: fp32 reference outputs")
     reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens)
-    outputs, remedy = _outputs_remedy(calibrators, cfg, reference, work)
+    if any(tokenwise.get(g) for g in measured):  # per-token layers: their outputs are fp32 already
+        outputs, remedy = True, {"chosen": PER_TOKEN}
+        for g in measured:
+            calibrators[g].write(work / f"{g}.all-int8{ONNX_SUFFIX}", "qdq", cfg.per_channel, _reduced(cfg))
+    else:
+        outputs, remedy = _outputs_remedy(calibrators, cfg, reference, work)
     int8 = {g: work / f"{g}.all-int8{'' if outputs else '.fp32-outputs'}{ONNX_SUFFIX}" for g in measured}
     variants = Variants({g: load_onnx(str(sources[g])) for g in measured},
                         {g: load_onnx(str(int8[g])) for g in measured}, work,
-                        {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured})
-    table = groups({g: list(p.nodes) for g, p in plans.items()})
+                        {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured},
+                        {g: set(tokenwise.get(g, [])) for g in measured}, _weight_max(cfg))
+    table = groups({g: [*p.nodes, *tokenwise.get(g, [])] for g, p in plans.items()})
     report = guide(variants, reference, table, cfg.target_agreement, cfg.threads, status)
     report["remedy"] = remedy
     kept = {g: set(report["kept_nodes"].get(g, [])) for g in plans}
-    out = {g: Plan(tuple(n for n in p.nodes if n not in kept[g]), tuple(p.exclude) + tuple(sorted(kept[g])),
+    out = {g: Plan(tuple(n for n in p.nodes if n not in kept[g]), tuple(dict.fromkeys((*p.exclude, *sorted(kept[g])))),
                    p.op_types) for g, p in plans.items()}
     report["kept_fp32_bytes"] = sum(_weight_bytes(sources[g], kept[g]) for g in plans) * 3 // 4  # fp32 - int8
-    return out, report
+    return out, {g: [n for n in tokenwise.get(g, []) if n not in kept[g]] for g in plans}, report
 
 
 def _outputs_remedy(calibrators: dict, cfg, reference, work: Path) -> tuple[bool, dict]:
@@ -295,9 +313,15 @@ def _outputs_remedy(calibrators: dict, cfg, reference, work: Path) -> tuple[bool
 
 
 def _reduced(cfg) -> bool:
-    from t5compress.cpu import FULL_WEIGHT_MAX, weight_max
+    from t5compress.cpu import FULL_WEIGHT_MAX
 
-    return weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
+    return _weight_max(cfg) < FULL_WEIGHT_MAX
+
+
+def _weight_max(cfg) -> int:
+    from t5compress.cpu import weight_max
+
+    return weight_max(cfg.weight_range)
 
 
 def _weight_bytes(path: Path, names: set[str]) -> int:
@@ -340,9 +364,10 @@ def ranked(report: dict) -> list[dict]:
 def summary(report: dict) -> str:
     """One line: all-int8 agreement, what was kept fp32 and what that cost (size, with-past step time)."""
     whole = report["all_int8"]["next_token_agreement"]
-    head = (f"sensitivity of {len(report['groups'])} layer groups ({report['seconds']:.1f} s): all int8 picks fp32's "
-            f"next token at {whole:.2%}, target {report['target']:.1%}")
     remedy = report.get("remedy", {}).get("chosen")
+    how = " (linear layers per-token)" if remedy == PER_TOKEN else ""
+    head = (f"sensitivity of {len(report['groups'])} layer groups ({report['seconds']:.1f} s): all int8{how} picks "
+            f"fp32's next token at {whole:.2%}, target {report['target']:.1%}")
     if remedy == "linear outputs fp32":
         fixed = report["remedy"]["linear_outputs_fp32"]["next_token_agreement"]
         head += f" with the linear layers' outputs int8, {fixed:.2%} with them fp32 (kept so)"

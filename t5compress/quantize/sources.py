@@ -3,6 +3,7 @@ the node plan of each, and the fp32 runtime driven over the calibration texts.""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from t5compress import artifacts
@@ -47,10 +48,9 @@ def plan_for(path: Path, cfg, gated: bool):
 
 
 def uses_per_token(cfg) -> bool:
-    """Whether static int8 gives some linear layers per-token scales (see `quantize.pertoken`): not with
-    --keep-fp32 sensitive or --tolerance (they choose by measuring)."""
-    return (cfg.mode == "static" and cfg.per_token != PER_TOKEN_NONE and cfg.keep_fp32 != KEEP_SENSITIVE
-            and cfg.tolerance is None)
+    """Whether static int8 gives some linear layers per-token scales (see `quantize.pertoken`): not with --tolerance
+    (its search measures QDQ graphs). --keep-fp32 sensitive measures the per-token layers as per-token."""
+    return cfg.mode == "static" and cfg.per_token != PER_TOKEN_NONE and cfg.tolerance is None
 
 
 def smoothing_alpha(cfg, gated: bool) -> float:
@@ -90,6 +90,27 @@ def is_gated(export_dir: Path) -> bool:
     """Whether the export's model has a gated FFN (T5 v1.1 / Flan): its `wo` inputs have outliers."""
     config = artifacts.read_json(export_dir / "config.json") or {}
     return str(config.get("feed_forward_proj", "relu")).startswith("gated")
+
+
+def row_lookups(sources: dict[str, Path], plans: dict, work: Path) -> tuple[dict[str, Path], dict, dict[str, int]]:
+    """The graphs with the embedding lookups of their plans gathering int8 rows, each with its own scale (written to
+    `work`; see `graphs.int8_row_lookups`), the plans without those lookups, and how many each graph has. Static int8
+    gave an untied table one scale for all of it."""
+    import onnx
+
+    from t5compress.quantize.graphs import int8_row_lookups
+    from t5compress.runtime.sessions import load_onnx
+
+    out, plans, done = dict(sources), dict(plans), {}
+    for g, path in sources.items():
+        model = load_onnx(str(path))
+        names = {n.name for n in model.graph.node if n.op_type == "Gather" and n.name in plans[g].nodes}
+        done[g] = int8_row_lookups(model, names)
+        if done[g]:
+            out[g] = work / f"{g}.rows{ONNX_SUFFIX}"
+            onnx.save(model, str(out[g]))
+            plans[g] = replace(plans[g], nodes=tuple(n for n in plans[g].nodes if n not in names))
+    return out, plans, done
 
 
 def smoothed(src: Path, sources: dict[str, Path], alpha: float, cfg, texts: list[str], work: Path, progress: bool):

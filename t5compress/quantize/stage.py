@@ -36,6 +36,7 @@ from t5compress.quantize.sources import (
     is_tied,
     per_token_nodes,
     plan_for,
+    row_lookups,
     smoothed,
     smoothing_alpha,
     untied,
@@ -73,7 +74,8 @@ class QuantizeConfig:
     embeddings: bool = opt(True, "Also store the token embedding (Gather) as int8.")
     keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (none; for gated-gelu models without per-token or "
                                     "smoothing, T5's FFN output `wo`), sensitive (static: measure each layer group's "
-                                    "sensitivity, keep the fewest groups fp32 that reach --target-agreement), none, "
+                                    "sensitivity as it is quantized, per-token and smoothed on gated models, keep the "
+                                    "fewest groups fp32 that reach --target-agreement), none, "
                                     "or comma-separated name parts, e.g. 'DenseReluDense/wo/'.")
     target_agreement: float = opt(0.97, "Static, --keep-fp32 sensitive: the next-token agreement with fp32 the kept "
                                         "groups must reach on the calibration texts.")
@@ -196,15 +198,11 @@ def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, graphs: dict) -> None:
     Not after tuning: the tuning's metric was measured on the graphs as they are, and its guarantee is about those.
     """
     if cfg.embeddings and cfg.tolerance is None:
-        from t5compress.quantize.graphs import gather_int8_rows, share_lm_head_table
+        from t5compress.quantize.graphs import share_lm_head_table
 
         saved = {g: share_lm_head_table(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
         if any(saved.values()):
             graphs["tied_table_bytes_saved"] = saved
-        if cfg.mode == "static":  # an untied table: its lookup gathers int8 rows too, as the tied one does
-            rows = {g: gather_int8_rows(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
-            if any(rows.values()):
-                graphs["int8_row_lookups"] = rows
     if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
         from t5compress.export.onnx import write_merged
 
@@ -238,7 +236,8 @@ def _settings(cfg: QuantizeConfig) -> dict:
     s = {"mode": cfg.mode, "format": cfg.format, "per_channel": cfg.per_channel, "op_types": list(cfg.op_types),
          "embeddings": cfg.embeddings, "weight_max": weight_max(cfg.weight_range)}
     if cfg.mode == "static":
-        s.update(method=cfg.method, samples=cfg.samples, calib_data=cfg.calib_data, per_token=cfg.per_token)
+        s.update(method=cfg.method, samples=cfg.samples, calib_data=cfg.calib_data, per_token=cfg.per_token,
+                 target_agreement=cfg.target_agreement)
     if cfg.mode == "blockwise":
         from t5compress.quantize.methods import BLOCK
 
@@ -249,7 +248,6 @@ def _settings(cfg: QuantizeConfig) -> dict:
 def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str] | None, progress: bool) -> dict:
     """Quantize the three graphs (smoothing first on request) into `tmp`; re-merge the decoders if `src` had it."""
     from t5compress.quantize.methods import scratch_dir, write_blockwise, write_dynamic
-    from t5compress.quantize.pertoken import per_token_int8
 
     with scratch_dir(tmp.parent) as scratch:
         work = Path(scratch)
@@ -260,21 +258,22 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         smoothing, alpha = None, smoothing_alpha(cfg, gated)
         if alpha > 0:
             sources, smoothing = smoothed(src, sources, alpha, cfg, texts, work, progress)
-        # Opt-in: on the trained gated fixture the measured choice (all int8) kept fewer held-out outputs than the
-        # `wo`-fp32 default (84% vs 87.5% identical greedy outputs), and on random flan-t5-small weights it kept 105 of
-        # 146 groups fp32 in 512 s (benchmarks/results/int8_gated.md): not yet a better default.
+        # Opt-in: random weights have flat logits that make every group look sensitive (a random flan-t5-small shape
+        # kept 105 of 146 groups fp32 after 512 s of measuring), so measuring is not the default.
         guided = cfg.mode == "static" and cfg.keep_fp32 == KEEP_SENSITIVE
         plan_cfg = replace(cfg, keep_fp32=KEEP_NONE) if guided else cfg  # the sensitivity decides
         plans = {g: plan_for(sources[g], plan_cfg, gated) for g in GRAPHS}
         tokenwise = {g: [n for n in per_token_nodes(sources[g], cfg, gated, is_tied(src)) if n not in plans[g].exclude]
                      for g in GRAPHS}  # what --keep-fp32 names stays fp32
         plans = {g: _without(plans[g], tokenwise[g]) for g in GRAPHS}  # left fp32 by calibration, rewritten after
+        lookups = {}
+        if cfg.mode == "static" and not is_tied(src):  # (a tied table's lookup reads the LM head's int8 matrix)
+            sources, plans, lookups = row_lookups(sources, plans, work)
         feeds: dict[str, int] = {}
         sensitivity = None
         if cfg.mode == "static":
-            plans, feeds, sensitivity = _static(src, tmp, work, sources, plans, cfg, texts, guided, progress)
-            wmax = weight_max(cfg.weight_range)  # the same weight range as the static layers
-            tokenwise = {g: per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], wmax) for g in GRAPHS}
+            plans, tokenwise, feeds, sensitivity = _static(src, tmp, work, sources, plans, tokenwise, cfg, texts,
+                                                           guided, progress)
         elif cfg.mode == "blockwise":
             for g in GRAPHS:
                 write_blockwise(sources[g], tmp / f"{g}{ONNX_SUFFIX}", plans[g])
@@ -285,6 +284,8 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
     out = {g: {"quantized_nodes": len(plans[g].nodes) + len(tokenwise[g]),
                "kept_fp32": [n for n in plans[g].exclude if n not in tokenwise[g]], "per_token": tokenwise[g],
                **({"calibration_feeds": feeds[g]} if feeds else {})} for g in GRAPHS}
+    if any(lookups.values()):
+        out["int8_row_lookups"] = lookups
     if smoothing:
         out["smooth_quant"] = smoothing
     if sensitivity:
@@ -298,41 +299,46 @@ def _without(plan, names: list[str]):
                    exclude=tuple(dict.fromkeys((*plan.exclude, *names))))
 
 
-def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, cfg: QuantizeConfig, texts: list[str],
-            guided: bool, progress: bool) -> tuple[dict, dict, dict | None]:
-    """Calibrate, (guided) measure each group's sensitivity and keep the fewest fp32, write the graphs into `tmp`.
+def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, tokenwise: dict, cfg: QuantizeConfig,
+            texts: list[str], guided: bool, progress: bool) -> tuple[dict, dict, dict, dict | None]:
+    """Calibrate, (guided) measure each group's sensitivity and keep the fewest fp32, write the graphs into `tmp`
+    (the `tokenwise` nodes rewritten per-token after calibration).
 
-    Returns the plans written, the feeds each graph saw, and the sensitivity report (None unless guided)."""
+    Returns the plans written, the per-token nodes, the feeds each graph saw, and the sensitivity report (None unless
+    guided)."""
     from t5compress.progress import Reporter
     from t5compress.quantize import sensitivity as sens
     from t5compress.quantize.methods import StaticGraph
+    from t5compress.quantize.pertoken import per_token_int8
     from t5compress.quantize.tune import Recorder
     from t5compress.runtime import load_runtime
 
-    reduce = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX
+    reduce, wmax = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX, weight_max(cfg.weight_range)
     calibrators = {g: StaticGraph(sources[g], plans[g], cfg.method, work, cfg.percentile) for g in GRAPHS}
     probe = Recorder(limit=cfg.batch_size)  # a mid-generation with-past feed, to time what the kept groups cost
     sinks = {g: [c] for g, c in calibrators.items()}
     sinks[DECODER_WITH_PAST].append(probe)
     fp32 = load_runtime(src, threads=cfg.threads)
     feeds = drive_texts(fp32, texts, sinks, cfg, progress, "calibrating")
-    report = None
+    report, every = None, dict(tokenwise)
     if guided:
         with Reporter("quantize", what="sensitivity", enabled=progress, transient=True) as bar:
-            plans, report = sens.guided(fp32, sources, plans, calibrators, cfg, texts, work,
-                                        status=lambda text: bar.update(0, what=text))
-    outputs = report is None or report["remedy"]["chosen"] == "linear outputs int8"
+            plans, tokenwise, report = sens.guided(fp32, sources, plans, tokenwise, calibrators, cfg, texts, work,
+                                                   status=lambda text: bar.update(0, what=text))
+    outputs = report is None or report["remedy"]["chosen"] != "linear outputs fp32"
     for g in GRAPHS:
         calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g], outputs)
+        tokenwise[g] = per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], wmax)  # the static layers' range
     if report is not None and (report["kept"] or not outputs) and probe.feeds:
-        every = work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
-        dwp = plans[DECODER_WITH_PAST]
-        calibrators[DECODER_WITH_PAST].write(every, cfg.format, cfg.per_channel, reduce,
-                                             replace(dwp, nodes=dwp.nodes + dwp.exclude, exclude=()))
-        all_ms = sens.step_ms(every, probe.feeds[-1])
+        dwp, path = plans[DECODER_WITH_PAST], work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
+        static = tuple(n for n in dwp.exclude if n not in every[DECODER_WITH_PAST])  # kept fp32 by the measuring
+        calibrators[DECODER_WITH_PAST].write(path, cfg.format, cfg.per_channel, reduce,
+                                             replace(dwp, nodes=dwp.nodes + static, exclude=()))
+        per_token_int8(path, every[DECODER_WITH_PAST], wmax)
+        all_ms = sens.step_ms(path, probe.feeds[-1])
         kept_ms = sens.step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", probe.feeds[-1])
         report["step_ms"] = {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
-    return plans, feeds, report
+    return plans, tokenwise, feeds, report
 
 
 def _sizes(src: Path, out: Path) -> dict:
