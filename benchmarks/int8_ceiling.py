@@ -1,0 +1,97 @@
+"""How many held-out greedy outputs int8 *weights* alone change: the ceiling of any int8 scheme with one scale per
+output channel, whatever it does with the activations.
+
+For each fixture built by `benchmarks/int8_gated.py`, the fp32 export's linear weights are rounded to int8 per output
+channel (and the embedding rows per row, as the static default stores them) and stored back as fp32; activations stay
+fp32. Greedy outputs on the fixture's held-out inputs are compared with fp32's, beside the static default's
+(`per-token/`, written by int8_gated.py) on the same inputs.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/int8_ceiling.py runs/int8-gated/fixture runs/int8-gated-doc150/fixture
+
+Writes benchmarks/results/int8_ceiling.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+
+
+def round_weights(src: Path, dst: Path) -> int:
+    """Copy the export dir `src` to `dst` with every linear weight and embedding row rounded to int8 (kept fp32)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    shutil.copytree(src, dst)
+    rounded = 0
+    for path in sorted(dst.glob("*_model.onnx")):
+        model = onnx.load(str(path))
+        inits = {t.name: t for t in model.graph.initializer}
+        done: set[str] = set()
+        for node in model.graph.node:
+            linear = node.op_type == "MatMul" and node.input[1] in inits
+            lookup = node.op_type == "Gather" and "embed_tokens" in node.name and node.input[0] in inits
+            name = node.input[1] if linear else node.input[0] if lookup else None
+            if name is None or name in done:
+                continue
+            w = numpy_helper.to_array(inits[name]).astype(np.float32)
+            axis = 0 if linear else 1  # a scale per output channel (column) / per embedding row
+            scale = np.maximum(np.abs(w).max(axis=axis, keepdims=True), 1e-12) / 127
+            inits[name].CopyFrom(numpy_helper.from_array((np.round(w / scale) * scale).astype(np.float32), name))
+            done.add(name)
+        rounded += len(done)
+        onnx.save(model, str(path))
+    return rounded
+
+
+def measure(fixture: Path, heldout: int) -> dict:
+    from t5compress.data import DataConfig, load_examples
+    from t5compress.quantize.check import agreement, greedy_outputs
+    from t5compress.runtime import load_runtime
+
+    texts = [e.source for e in load_examples(str(fixture / "heldout.jsonl"), DataConfig())[:heldout]]
+    fp32 = greedy_outputs(load_runtime(fixture / "onnx", threads=0), texts)
+    about = json.loads((fixture / "fixture.json").read_text())
+    row = {"fixture": f"{about.get('task', 'demo')}, pretrain {about['pretrain_steps']} + train "
+                      f"{about['finetune_steps']} steps", "heldout": len(texts)}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / "weights"
+        row["tensors_rounded"] = round_weights(fixture / "onnx", weights)
+        row["weight_only_int8"] = agreement(fp32, greedy_outputs(load_runtime(weights, threads=0), texts))
+    if (fixture / "per-token").is_dir():
+        row["static_default"] = agreement(fp32, greedy_outputs(load_runtime(fixture / "per-token", threads=0), texts))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("fixtures", type=Path, nargs="+", help="fixture dirs written by int8_gated.py")
+    ap.add_argument("--heldout", type=int, default=2000)
+    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    args = ap.parse_args()
+    from t5compress import artifacts
+    from t5compress.cpu import cpu_features
+
+    rows = [measure(f, args.heldout) for f in args.fixtures]
+    result = {"cpu": cpu_features(), "rows": rows}
+    artifacts.write_json(args.out / "int8_ceiling.json", result)
+    lines = ["# Held-out outputs int8 weights alone change (activations fp32)", "",
+             f"CPU: {result['cpu']['model']}. Greedy outputs identical to fp32's on the fixture's held-out inputs.",
+             "",
+             "| fixture | held-out | weight-only int8 (per channel, fp32 activations) | static int8 default |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        default = f"{r['static_default']:.1%}" if "static_default" in r else ""
+        lines.append(f"| {r['fixture']} | {r['heldout']} | {r['weight_only_int8']:.1%} | {default} |")
+    (args.out / "int8_ceiling.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
