@@ -119,7 +119,10 @@ VARIANTS = {  # name: (what, QuantizeConfig fields)
     "all-int8": ("static, every group int8", {"keep_fp32": "none", "per_token": "none"}),
     "per-token-wo": ("static, the previous default (gated: wo and an untied lm_head per-token int8)",
                      {"per_token": "DenseReluDense/wo/,lm_head", "smooth_alpha": 0.0}),
-    "per-token": ("static, the default (gated: SmoothQuant 0.5 and every linear layer per-token int8)", {}),
+    "per-token": ("static, the default (gated: SmoothQuant 0.5, every linear layer per-token int8, weights rounded "
+                  "by GPTQ)", {}),
+    "nearest": ("static, the default with its weights rounded to nearest (--rounding nearest)",
+                {"rounding": "nearest"}),
     "after": ("static, --keep-fp32 sensitive (the default's groups measured, the fewest kept fp32 for 97%)",
               {"keep_fp32": "sensitive"}),
     "dynamic": ("dynamic (gated: wo kept fp32)", {"mode": "dynamic"}),

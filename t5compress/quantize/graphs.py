@@ -163,6 +163,19 @@ def _gather_scaled(model: onnx.ModelProto, node, copy: str, out: str, inits: dic
     return True
 
 
+def tapped_session(path: Path, tensors: list[str], work: Path, tag: str):
+    """An ONNX Runtime session of the graph at `path` that also returns its inner `tensors` (the graph, with them
+    made outputs, written to `work` as <stem>.<tag>.onnx)."""
+    from t5compress.runtime.sessions import onnx_session
+
+    model = load_onnx(str(path))
+    known = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(x) for x in tensors if x not in known)
+    tapped = work / f"{path.stem}.{tag}.onnx"
+    onnx.save(model, str(tapped))
+    return onnx_session(tapped)
+
+
 def save_without(model: onnx.ModelProto, dead: set[str], path: Path) -> None:
     """Write `model` to `path` without the nodes named in `dead`, the others in topological order (a rewrite appends
     its new nodes at the end)."""

@@ -28,20 +28,23 @@ from t5compress.quantize.graphs import drop_nodes, graph_index
 from t5compress.runtime.sessions import load_onnx
 
 MS_DOMAIN = "com.microsoft"  # MatMulIntegerToFloat: ONNX Runtime's contrib op
+Rounded = dict[str, tuple[np.ndarray, np.ndarray]]  # node name -> (int8 weight (d_in, d_out), scale (d_out,))
 
 
-def per_token_int8(path: Path, names: list[str], weight_max: int = 127) -> list[str]:
+def per_token_int8(path: Path, names: list[str], weight_max: int = 127, rounded: Rounded | None = None) -> list[str]:
     """Rewrite the fp32 MatMul nodes `names` of the graph at `path` (in place) as per-token int8; returns those
     rewritten (a node already quantized, or whose weight another node shares, is left). Layers reading one input
-    (q, k and v; wi_0 and wi_1) share its quantization."""
+    (q, k and v; wi_0 and wi_1) share its quantization. `rounded`: int8 weights and their scales by node name (e.g.
+    `gptq.gptq_int8`'s); the other weights are rounded to nearest."""
     model = load_onnx(str(path))
-    done = rewrite(model, names, weight_max)
+    done = rewrite(model, names, weight_max, rounded)
     if done:
         onnx.save(model, str(path))
     return done
 
 
-def rewrite(model: onnx.ModelProto, names: list[str] | set[str], weight_max: int = 127) -> list[str]:
+def rewrite(model: onnx.ModelProto, names: list[str] | set[str], weight_max: int = 127,
+            rounded: Rounded | None = None) -> list[str]:
     """`per_token_int8` on a model in memory (changed in place; its nodes left in topological order)."""
     inits, _, users = graph_index(model)
     by_input: dict[str, list] = {}
@@ -54,8 +57,8 @@ def rewrite(model: onnx.ModelProto, names: list[str] | set[str], weight_max: int
         p = nodes[0].name.rsplit("/", 1)[0] + "/per_token_"
         model.graph.node.extend(_quantize_rows(model, x, p, opset))
         for node in nodes:
-            w = numpy_helper.to_array(inits[node.input[1]])
-            model.graph.node.extend(_matmul(model, node, w, p, weight_max))
+            w = (rounded or {}).get(node.name) or _nearest(numpy_helper.to_array(inits[node.input[1]]), weight_max)
+            model.graph.node.extend(_matmul(model, node, w, p))
             model.graph.initializer.remove(inits[node.input[1]])
     done = [n.name for nodes in by_input.values() for n in nodes]
     if done and not any(o.domain == MS_DOMAIN for o in model.opset_import):
@@ -97,13 +100,18 @@ def _quantize_rows(model: onnx.ModelProto, x: str, p: str, opset: int) -> list:
     ]
 
 
-def _matmul(model: onnx.ModelProto, node, w: np.ndarray, shared: str, weight_max: int) -> list:
-    """The nodes computing `node`'s output from the shared per-row quantization `shared` of its input."""
-    w = w.astype(np.float32)  # (d_in, d_out)
+def _nearest(w: np.ndarray, weight_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """w (d_in, d_out) rounded to nearest on an int8 grid with a scale per output channel: (int8 w, scale)."""
+    w = w.astype(np.float32)
+    scale = (np.maximum(np.abs(w).max(axis=0), 1e-12) / weight_max).astype(np.float32)  # (d_out,)
+    return np.clip(np.round(w / scale), -weight_max, weight_max).astype(np.int8), scale
+
+
+def _matmul(model: onnx.ModelProto, node, w: tuple[np.ndarray, np.ndarray], shared: str) -> list:
+    """The nodes computing `node`'s output from the shared per-row quantization `shared` of its input, with the int8
+    weight and per-output-channel scales `w`."""
     p = node.name.rsplit("/", 1)[0] + "/per_token_"
-    w_scale = (np.maximum(np.abs(w).max(axis=0), 1e-12) / weight_max).astype(np.float32)  # (d_out,)
-    _constants(model, p, {"w_int8": np.clip(np.round(w / w_scale), -weight_max, weight_max).astype(np.int8),
-                          "w_scale": w_scale})
+    _constants(model, p, {"w_int8": w[0], "w_scale": w[1]})
     s = [shared + t for t in ("x_uint8", "x_scale", "zero_point")]
     y = node.output[0]
     # ONNX Runtime's MatMulIntegerToFloat broadcasts a_scale against the output: (..., rows, 1) scales each row

@@ -156,6 +156,7 @@ class Variants:
     quantizable: dict[str, set[str]]
     tokenwise: dict[str, set[str]] = field(default_factory=dict)
     weight_max: int = 127
+    rounded: dict = field(default_factory=dict)  # {graph: per-token layers' int8 weights by node name}
     count: int = 0
 
     def write(self, graph: str, names: set[str]) -> Path:
@@ -167,7 +168,7 @@ class Variants:
         dst = self.work / f"{graph}.mix{self.count}{ONNX_SUFFIX}"
         tokenwise = names & self.tokenwise.get(graph, set())
         model = mixed(self.fp32[graph], self.int8[graph], names - tokenwise, self.quantizable[graph])
-        rewrite(model, tokenwise, self.weight_max)
+        rewrite(model, tokenwise, self.weight_max, self.rounded.get(graph))
         onnx.save(model, str(dst))
         return dst
 
@@ -262,10 +263,12 @@ PER_TOKEN = "per-token int8"  # the remedy when the linear layers are per-token 
 
 
 def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[str, list[str]], calibrators: dict,
-           cfg, texts: list[str], work: Path, status=lambda text: None) -> tuple[dict, dict, dict]:
+           cfg, texts: list[str], work: Path, rounded: dict | None = None, status=lambda text: None,
+           ) -> tuple[dict, dict, dict]:
     """Measure every group's sensitivity on the calibrated graphs and keep the fewest fp32 for cfg.target_agreement.
 
-    `plans` quantize everything but the `tokenwise` nodes (per-token int8, measured as such); returns the plans and
+    `plans` quantize everything but the `tokenwise` nodes (per-token int8 with the `rounded` weights, measured as
+    such); returns the plans and
     the per-token nodes with the kept groups excluded, and the `sensitivity` report."""
     from t5compress.quantize.check import Reference
     from t5compress.quantize.methods import Plan
@@ -284,7 +287,7 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[
     variants = Variants({g: load_onnx(str(sources[g])) for g in measured},
                         {g: load_onnx(str(int8[g])) for g in measured}, work,
                         {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured},
-                        {g: set(tokenwise.get(g, [])) for g in measured}, _weight_max(cfg))
+                        {g: set(tokenwise.get(g, [])) for g in measured}, _weight_max(cfg), rounded or {})
     table = groups({g: [*p.nodes, *tokenwise.get(g, [])] for g, p in plans.items()})
     report = guide(variants, reference, table, cfg.target_agreement, cfg.threads, status)
     report["remedy"] = remedy

@@ -23,8 +23,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from t5compress.quantize.graphs import FFN_OUTPUT
-from t5compress.runtime.sessions import load_onnx, onnx_session
+from t5compress.quantize.graphs import FFN_OUTPUT, tapped_session
+from t5compress.runtime.sessions import load_onnx
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +96,8 @@ class ChannelMax:
     session."""
 
     def __init__(self, path: Path, groups: list[Group], work: Path):
-        model = load_onnx(str(path))
-        known = {o.name for o in model.graph.output}
         self.inputs = list(dict.fromkeys(g.x for g in groups))
-        model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(x) for x in self.inputs if x not in known)
-        aug = work / f"{path.stem}.channels.onnx"
-        onnx.save(model, str(aug))
-        self.session = onnx_session(aug)
+        self.session = tapped_session(path, self.inputs, work, "channels")
         self.amax: dict[str, np.ndarray] = {}
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> None:

@@ -45,6 +45,8 @@ from t5compress.quantize.sources import (
 log = logging.getLogger(__name__)
 
 MODES = ("static", "dynamic", "blockwise")
+GPTQ, NEAREST = "gptq", "nearest"
+ROUNDINGS = (GPTQ, NEAREST)
 
 
 
@@ -89,6 +91,9 @@ class QuantizeConfig:
                                            "outputs and FFN inputs of `wo` are scaled into the weights, exactly. "
                                            f"Default: {AUTO_ALPHA} for gated-gelu models under --per-token auto, "
                                            "else 0.")
+    rounding: str = opt(GPTQ, "Static: how the per-token layers' weights are rounded to int8 (a scale per output "
+                              "channel either way): gptq (each rounding error spread over the input channels not "
+                              "yet rounded, weighted by the calibration inputs; GPTQ) or nearest.")
     eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side.")
     eval_max: int = opt(200, "Evaluate on at most this many eval records.")
     min_agreement: float = opt(0.9, "Refuse the result when int8 picks fp32's next token less often than this.")
@@ -116,6 +121,7 @@ class QuantizeConfig:
                 "smoothing measures activations: give --calib-data")
         require(not self.smooth_alpha or self.mode != "blockwise", "smooth_alpha",
                 "block-wise int8 scales each block of 32 channels itself: drop --smooth-alpha")
+        require(self.rounding in ROUNDINGS, "rounding", f"choose one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
         require(0 <= self.target_agreement <= 1, "target_agreement",
                 f"must be in [0, 1], got {self.target_agreement}")
         require(0 <= self.min_agreement <= 1, "min_agreement", f"must be in [0, 1], got {self.min_agreement}")
@@ -237,7 +243,7 @@ def _settings(cfg: QuantizeConfig) -> dict:
          "embeddings": cfg.embeddings, "weight_max": weight_max(cfg.weight_range)}
     if cfg.mode == "static":
         s.update(method=cfg.method, samples=cfg.samples, calib_data=cfg.calib_data, per_token=cfg.per_token,
-                 target_agreement=cfg.target_agreement)
+                 rounding=cfg.rounding, target_agreement=cfg.target_agreement)
     if cfg.mode == "blockwise":
         from t5compress.quantize.methods import BLOCK
 
@@ -308,6 +314,7 @@ def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, tokenw
     guided)."""
     from t5compress.progress import Reporter
     from t5compress.quantize import sensitivity as sens
+    from t5compress.quantize.gptq import Gram
     from t5compress.quantize.methods import StaticGraph
     from t5compress.quantize.pertoken import per_token_int8
     from t5compress.quantize.tune import Recorder
@@ -318,27 +325,55 @@ def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, tokenw
     probe = Recorder(limit=cfg.batch_size)  # a mid-generation with-past feed, to time what the kept groups cost
     sinks = {g: [c] for g, c in calibrators.items()}
     sinks[DECODER_WITH_PAST].append(probe)
+    grams = {g: Gram(sources[g], tokenwise[g], work) for g in GRAPHS if cfg.rounding == GPTQ and tokenwise[g]}
+    for g, gram in grams.items():
+        sinks[g].append(gram)
     fp32 = load_runtime(src, threads=cfg.threads)
     feeds = drive_texts(fp32, texts, sinks, cfg, progress, "calibrating")
+    rounded = _gptq(sources, grams, wmax, progress)
     report, every = None, dict(tokenwise)
     if guided:
         with Reporter("quantize", what="sensitivity", enabled=progress, transient=True) as bar:
             plans, tokenwise, report = sens.guided(fp32, sources, plans, tokenwise, calibrators, cfg, texts, work,
-                                                   status=lambda text: bar.update(0, what=text))
+                                                   rounded, status=lambda text: bar.update(0, what=text))
     outputs = report is None or report["remedy"]["chosen"] != "linear outputs fp32"
     for g in GRAPHS:
         calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g], outputs)
-        tokenwise[g] = per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], wmax)  # the static layers' range
+        tokenwise[g] = per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], wmax, rounded.get(g))
     if report is not None and (report["kept"] or not outputs) and probe.feeds:
         dwp, path = plans[DECODER_WITH_PAST], work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
         static = tuple(n for n in dwp.exclude if n not in every[DECODER_WITH_PAST])  # kept fp32 by the measuring
         calibrators[DECODER_WITH_PAST].write(path, cfg.format, cfg.per_channel, reduce,
                                              replace(dwp, nodes=dwp.nodes + static, exclude=()))
-        per_token_int8(path, every[DECODER_WITH_PAST], wmax)
+        per_token_int8(path, every[DECODER_WITH_PAST], wmax, rounded.get(DECODER_WITH_PAST))
         all_ms = sens.step_ms(path, probe.feeds[-1])
         kept_ms = sens.step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", probe.feeds[-1])
         report["step_ms"] = {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
     return plans, tokenwise, feeds, report
+
+
+def _gptq(sources: dict[str, Path], grams: dict, weight_max: int, progress: bool) -> dict:
+    """{graph: {node name: GPTQ-rounded int8 weight and scales}} for the nodes each graph's gram measured. Per graph:
+    the decoder graphs smooth each layer with their own scales (their inputs' ranges differ), so the same layer's
+    weights differ between them; the first-step graph's are rounded on the first steps' inputs alone."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from t5compress.progress import Reporter
+    from t5compress.quantize.gptq import gptq_int8
+    from t5compress.runtime.sessions import load_onnx
+
+    rounded: dict[str, dict] = {}
+    with Reporter("quantize", sum(len(g.inputs) for g in grams.values()), unit="layer", what="GPTQ rounding",
+                  enabled=progress, transient=True) as bar:
+        for g, gram in grams.items():
+            model, hessians, rounded[g] = load_onnx(str(sources[g])), gram.by_node(), {}
+            inits = {t.name: t for t in model.graph.initializer}
+            for node in (n for n in model.graph.node if n.name in hessians):
+                w = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
+                rounded[g][node.name] = gptq_int8(w, hessians[node.name], weight_max)
+                bar.update(1)
+    return rounded
 
 
 def _sizes(src: Path, out: Path) -> dict:

@@ -1,0 +1,80 @@
+"""GPTQ rounding of int8 weights (Frantar et al., ICLR 2023): the same int8 grid, a scale per output channel, but
+each weight's rounding error is spread over the input channels not yet rounded, weighted by what the calibration
+inputs make of them, so that a layer's outputs on real inputs move less than with rounding to nearest.
+
+    grams = Gram(graph_path, node_names, work)   # a calibration sink: X^T X of each node's input over real feeds
+    q, scale = gptq_int8(w, gram, weight_max)    # w: (in, out) as ONNX MatMul holds it
+
+With int8 activations taken per token, what static int8 still loses on the gated fixtures is mostly the weights'
+rounding: weights alone rounded to nearest (activations fp32) kept 95.5% / 76.4% of the demo / docstring fixture's
+held-out greedy outputs, rounded by GPTQ 98.1% / 86.4% (benchmarks/results/int8_ceiling.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from t5compress.quantize.graphs import tapped_session
+from t5compress.runtime.sessions import load_onnx
+
+BLOCK = 128  # input channels rounded before the rest are updated at once (GPTQ's lazy batch update)
+DAMP = 0.01  # added to the Gram matrix's diagonal, as a share of its mean: keeps it invertible
+
+
+class Gram:
+    """X^T X of the inputs of the MatMul nodes `names`, summed over real feeds through an augmented ONNX Runtime
+    session (a calibration sink, like `smooth.ChannelMax`)."""
+
+    def __init__(self, path: Path, names: list[str], work: Path):
+        model = load_onnx(str(path), load_external_data=False)
+        self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names)}
+        self.tensors = list(dict.fromkeys(self.inputs.values()))
+        self.session = tapped_session(path, self.tensors, work, "gram")
+        self.gram: dict[str, np.ndarray] = {}
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> None:
+        for name, x in zip(self.tensors, self.session.run(self.tensors, feeds), strict=True):
+            x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+            self.gram[name] = self.gram[name] + x.T @ x if name in self.gram else x.T @ x
+
+    def by_node(self) -> dict[str, np.ndarray]:
+        return {node: self.gram[x] for node, x in self.inputs.items() if x in self.gram}
+
+
+def gptq_int8(w: np.ndarray, gram: np.ndarray, weight_max: int = 127) -> tuple[np.ndarray, np.ndarray]:
+    """w (in, out) -> (int8 (in, out), scale (out,) float32): a scale per output channel (max |w| / weight_max, as
+    rounding to nearest has it), the input channels rounded in order, each error spread over the later ones."""
+    W = w.T.astype(np.float64)  # (out, in): a row per output channel
+    scale = np.maximum(np.abs(W).max(axis=1), 1e-12) / weight_max
+    U = _inverse_factor(gram)
+    Q = np.empty_like(W)
+    n = W.shape[1]
+    for b0 in range(0, n, BLOCK):
+        b1 = min(b0 + BLOCK, n)
+        block, errors = W[:, b0:b1].copy(), np.empty((W.shape[0], b1 - b0))
+        for j in range(b1 - b0):
+            i = b0 + j
+            q = np.clip(np.round(block[:, j] / scale), -weight_max, weight_max)
+            Q[:, i] = q
+            errors[:, j] = (block[:, j] - q * scale) / U[i, i]
+            block[:, j + 1:] -= np.outer(errors[:, j], U[i, i + 1:b1])
+        W[:, b1:] -= errors @ U[b0:b1, b1:]
+    return Q.T.astype(np.int8), scale.astype(np.float32)
+
+
+def _inverse_factor(gram: np.ndarray) -> np.ndarray:
+    """The upper Cholesky factor of the damped Gram matrix's inverse (GPTQ's update weights). A channel no input
+    reached gets a unit diagonal: its error goes nowhere, and it is rounded to nearest."""
+    h = np.array(gram, dtype=np.float64)
+    dead = np.diag(h) <= 0
+    h[dead, :], h[:, dead] = 0, 0
+    h[dead, dead] = 1
+    damp = DAMP * float(np.mean(np.diag(h)))
+    for _ in range(6):  # damp more until the factorisation holds
+        try:
+            return np.linalg.cholesky(np.linalg.inv(h + damp * np.eye(len(h)))).T
+        except np.linalg.LinAlgError:
+            damp *= 10
+    return np.eye(len(h))  # rounding to nearest
