@@ -3,7 +3,8 @@ output channel, whatever it does with the activations.
 
 For each fixture built by `benchmarks/int8_gated.py`, the fp32 export's linear weights are rounded to int8 per output
 channel (and the embedding rows per row, as the static default stores them) and stored back as fp32; activations stay
-fp32. Greedy outputs on the fixture's held-out inputs are compared with fp32's, beside the static default's
+fp32; then the same with the linear weights rounded by GPTQ on the calibration texts (`quantize.gptq`). Greedy
+outputs on the fixture's held-out inputs are compared with fp32's, beside the static default's
 (`per-token/`, written by int8_gated.py) on the same inputs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_ceiling.py runs/int8-gated/fixture runs/int8-gated-doc150/fixture
@@ -22,14 +23,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
-def round_weights(src: Path, dst: Path) -> int:
-    """Copy the export dir `src` to `dst` with every linear weight and embedding row rounded to int8 (kept fp32)."""
+def gptq_weights(src: Path, texts: list[str], work: Path) -> dict[str, dict]:
+    """{graph: {node: (int8 weight, scale)}}: every linear weight of the fp32 export rounded by GPTQ on X^T X of its
+    inputs while the fp32 runtime generates from `texts` (as the quantize stage does for per-token layers)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from t5compress.quantize.calibrate import drive
+    from t5compress.quantize.gptq import Gram, gptq_int8
+    from t5compress.quantize.graphs import linear_nodes
+    from t5compress.runtime import load_runtime
+
+    graphs = ("encoder_model", "decoder_model", "decoder_with_past_model")
+    grams = {g: Gram(src / f"{g}.onnx", linear_nodes(onnx.load(str(src / f"{g}.onnx")), ("MatMul",)), work)
+             for g in graphs}
+    drive(load_runtime(src, threads=0), texts, {g: [grams[g]] for g in graphs}, 16, 32)
+    out = {}
+    for g in graphs:
+        model = onnx.load(str(src / f"{g}.onnx"))
+        inits, hessians = {t.name: t for t in model.graph.initializer}, grams[g].by_node()
+        out[g] = {n.name: gptq_int8(numpy_helper.to_array(inits[n.input[1]]), hessians[n.name])
+                  for n in model.graph.node if n.name in hessians}
+    return out
+
+
+def round_weights(src: Path, dst: Path, rounded: dict[str, dict] | None = None) -> int:
+    """Copy the export dir `src` to `dst` with every linear weight and embedding row rounded to int8 (kept fp32):
+    to nearest, or the linear weights as `rounded` gives them ({graph: {node: (int8, scale)}})."""
     import numpy as np
     import onnx
     from onnx import numpy_helper
 
     shutil.copytree(src, dst)
-    rounded = 0
+    count = 0
     for path in sorted(dst.glob("*_model.onnx")):
         model = onnx.load(str(path))
         inits = {t.name: t for t in model.graph.initializer}
@@ -41,17 +67,23 @@ def round_weights(src: Path, dst: Path) -> int:
             if name is None or name in done:
                 continue
             w = numpy_helper.to_array(inits[name]).astype(np.float32)
-            axis = 0 if linear else 1  # a scale per output channel (column) / per embedding row
-            scale = np.maximum(np.abs(w).max(axis=axis, keepdims=True), 1e-12) / 127
-            inits[name].CopyFrom(numpy_helper.from_array((np.round(w / scale) * scale).astype(np.float32), name))
+            given = (rounded or {}).get(path.stem, {}).get(node.name) if linear else None
+            if given is not None:
+                w = given[0].astype(np.float32) * given[1]
+            else:
+                axis = 0 if linear else 1  # a scale per output channel (column) / per embedding row
+                scale = np.maximum(np.abs(w).max(axis=axis, keepdims=True), 1e-12) / 127
+                w = np.round(w / scale) * scale
+            inits[name].CopyFrom(numpy_helper.from_array(w.astype(np.float32), name))
             done.add(name)
-        rounded += len(done)
+        count += len(done)
         onnx.save(model, str(path))
-    return rounded
+    return count
 
 
 def measure(fixture: Path, heldout: int) -> dict:
     from t5compress.data import DataConfig, load_examples
+    from t5compress.quantize.calibrate import load_texts
     from t5compress.quantize.check import agreement, greedy_outputs
     from t5compress.runtime import load_runtime
 
@@ -64,6 +96,11 @@ def measure(fixture: Path, heldout: int) -> dict:
         weights = Path(tmp) / "weights"
         row["tensors_rounded"] = round_weights(fixture / "onnx", weights)
         row["weight_only_int8"] = agreement(fp32, greedy_outputs(load_runtime(weights, threads=0), texts))
+        calib = load_texts(fixture / "train.jsonl", samples=128)
+        rounded = gptq_weights(fixture / "onnx", calib, Path(tmp))
+        round_weights(fixture / "onnx", Path(tmp) / "gptq", rounded)
+        row["weight_only_int8_gptq"] = agreement(fp32, greedy_outputs(load_runtime(Path(tmp) / "gptq", threads=0),
+                                                                      texts))
     if (fixture / "per-token").is_dir():
         row["static_default"] = agreement(fp32, greedy_outputs(load_runtime(fixture / "per-token", threads=0), texts))
     return row
@@ -84,11 +121,12 @@ def main() -> None:
     lines = ["# Held-out outputs int8 weights alone change (activations fp32)", "",
              f"CPU: {result['cpu']['model']}. Greedy outputs identical to fp32's on the fixture's held-out inputs.",
              "",
-             "| fixture | held-out | weight-only int8 (per channel, fp32 activations) | static int8 default |",
-             "|---|---:|---:|---:|"]
+             "| fixture | held-out | weights int8 to nearest (per channel, fp32 activations) | weights int8 by GPTQ "
+             "| static int8 default |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         default = f"{r['static_default']:.1%}" if "static_default" in r else ""
-        lines.append(f"| {r['fixture']} | {r['heldout']} | {r['weight_only_int8']:.1%} | {default} |")
+        lines.append(f"| {r['fixture']} | {r['heldout']} | {r['weight_only_int8']:.1%} | "
+                     f"{r['weight_only_int8_gptq']:.1%} | {default} |")
     (args.out / "int8_ceiling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
