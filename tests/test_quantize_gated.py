@@ -275,6 +275,10 @@ def test_gated_default_rounds_per_token_weights_by_gptq(gated_export, demo_jsonl
                                                 rounding=r), tmp_path / r, progress=False)
             for r in ("gptq", "nearest")}
     assert runs["gptq"]["rounding"] == "gptq" and runs["nearest"]["rounding"] == "nearest"
+    from t5compress.quantize.stage import applied
+
+    assert dict(applied(runs["gptq"]))["weights"] == "rounded by GPTQ on the calibration inputs"
+    assert "weights" not in dict(applied(runs["nearest"]))
     for g in ("encoder_model", "decoder_with_past_model"):
         a, b = weights(tmp_path / "gptq", g), weights(tmp_path / "nearest", g)
         assert a.keys() == b.keys() and len(a) == 2 * len(runs["gptq"]["graphs"][g]["per_token"])

@@ -228,6 +228,8 @@ def applied(report: dict) -> list[tuple[str, str]]:
     tokenwise = {n for g in graphs.values() if isinstance(g, dict) for n in g.get("per_token") or []}
     if tokenwise:
         out.append(("per-token int8", f"{len(tokenwise)} linear layers (a scale per input row)"))
+        if report.get("rounding") == GPTQ:
+            out.append(("weights", "rounded by GPTQ on the calibration inputs"))
     smoothed = graphs.get("smooth_quant") or {}
     if smoothed:
         alpha = next(iter(smoothed.values()))["alpha"]
