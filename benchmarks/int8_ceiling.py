@@ -27,24 +27,16 @@ def gptq_weights(src: Path, texts: list[str], work: Path) -> dict[str, dict]:
     """{graph: {node: (int8 weight, scale)}}: every linear weight of the fp32 export rounded by GPTQ on X^T X of its
     inputs while the fp32 runtime generates from `texts` (as the quantize stage does for per-token layers)."""
     import onnx
-    from onnx import numpy_helper
 
     from t5compress.quantize.calibrate import drive
-    from t5compress.quantize.gptq import Gram, gptq_int8
+    from t5compress.quantize.gptq import Gram, round_graphs
     from t5compress.quantize.graphs import linear_nodes
     from t5compress.runtime import load_runtime
 
-    graphs = ("encoder_model", "decoder_model", "decoder_with_past_model")
-    grams = {g: Gram(src / f"{g}.onnx", linear_nodes(onnx.load(str(src / f"{g}.onnx")), ("MatMul",)), work)
-             for g in graphs}
-    drive(load_runtime(src, threads=0), texts, {g: [grams[g]] for g in graphs}, 16, 32)
-    out = {}
-    for g in graphs:
-        model = onnx.load(str(src / f"{g}.onnx"))
-        inits, hessians = {t.name: t for t in model.graph.initializer}, grams[g].by_node()
-        out[g] = {n.name: gptq_int8(numpy_helper.to_array(inits[n.input[1]]), hessians[n.name])
-                  for n in model.graph.node if n.name in hessians}
-    return out
+    paths = {g: src / f"{g}.onnx" for g in ("encoder_model", "decoder_model", "decoder_with_past_model")}
+    grams = {g: Gram(p, linear_nodes(onnx.load(str(p)), ("MatMul",)), work) for g, p in paths.items()}
+    drive(load_runtime(src, threads=0), texts, {g: [grams[g]] for g in paths}, 16, 32)
+    return round_graphs(paths, grams)
 
 
 def round_weights(src: Path, dst: Path, rounded: dict[str, dict] | None = None) -> int:
@@ -117,6 +109,7 @@ def main() -> None:
 
     rows = [measure(f, args.heldout) for f in args.fixtures]
     result = {"cpu": cpu_features(), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(args.out / "int8_ceiling.json", result)
     lines = ["# Held-out outputs int8 weights alone change (activations fp32)", "",
              f"CPU: {result['cpu']['model']}. Greedy outputs identical to fp32's on the fixture's held-out inputs.",

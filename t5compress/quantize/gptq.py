@@ -44,6 +44,25 @@ class Gram:
         return {node: self.gram[x] for node, x in self.inputs.items() if x in self.gram}
 
 
+def round_graphs(paths: dict[str, Path], grams: dict[str, Gram], weight_max: int = 127,
+                 step=lambda: None) -> dict[str, dict]:
+    """{graph: {node name: (int8 weight, scale)}}: the weights of the nodes each graph's `Gram` measured, read from
+    `paths[graph]` and rounded by GPTQ on that graph's inputs. Per graph: the decoder graphs smooth each layer with
+    their own scales (their inputs' ranges differ), so the same layer's weights differ between them; the first-step
+    graph's are rounded on the first steps' inputs alone."""
+    from onnx import numpy_helper
+
+    rounded: dict[str, dict] = {}
+    for g, gram in grams.items():
+        model, hessians, rounded[g] = load_onnx(str(paths[g])), gram.by_node(), {}
+        inits = {t.name: t for t in model.graph.initializer}
+        for node in (n for n in model.graph.node if n.name in hessians):
+            rounded[g][node.name] = gptq_int8(numpy_helper.to_array(inits[node.input[1]]), hessians[node.name],
+                                              weight_max)
+            step()
+    return rounded
+
+
 def gptq_int8(w: np.ndarray, gram: np.ndarray, weight_max: int = 127) -> tuple[np.ndarray, np.ndarray]:
     """w (in, out) -> (int8 (in, out), scale (out,) float32): a scale per output channel (max |w| / weight_max, as
     rounding to nearest has it), the input channels rounded in order, each error spread over the later ones."""

@@ -179,13 +179,14 @@ def tapped_session(path: Path, tensors: list[str], work: Path, tag: str):
 def save_without(model: onnx.ModelProto, dead: set[str], path: Path) -> None:
     """Write `model` to `path` without the nodes named in `dead`, the others in topological order (a rewrite appends
     its new nodes at the end)."""
-    drop_nodes(model, dead)
+    sort_nodes(model, dead)
     onnx.save(model, str(path))
 
 
-def drop_nodes(model: onnx.ModelProto, dead: set[str]) -> None:
-    """Remove the nodes named in `dead` from `model`, the others left in topological order."""
-    kept = [n for n in model.graph.node if n.name not in dead]
+def sort_nodes(model: onnx.ModelProto, drop: set[str] = frozenset()) -> None:
+    """Put `model`'s nodes in topological order (a rewrite appends its new nodes at the end), without those named in
+    `drop`."""
+    kept = [n for n in model.graph.node if n.name not in drop]
     del model.graph.node[:]
     model.graph.node.extend(topological(kept))
 
@@ -241,9 +242,7 @@ def int8_row_lookups(model: onnx.ModelProto, names: set[str]) -> int:
     for node in lookups:
         _row_lookup(model, node)
     if lookups:
-        nodes = topological(list(model.graph.node))
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
+        sort_nodes(model)
     return len(lookups)
 
 

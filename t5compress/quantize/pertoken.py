@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from t5compress.quantize.graphs import drop_nodes, graph_index
+from t5compress.quantize.graphs import graph_index, sort_nodes
 from t5compress.runtime.sessions import load_onnx
 
 MS_DOMAIN = "com.microsoft"  # MatMulIntegerToFloat: ONNX Runtime's contrib op
@@ -64,7 +64,7 @@ def rewrite(model: onnx.ModelProto, names: list[str] | set[str], weight_max: int
     if done and not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     if done:
-        drop_nodes(model, set(done))
+        sort_nodes(model, set(done))
     return done
 
 

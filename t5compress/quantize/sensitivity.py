@@ -268,8 +268,7 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[
     """Measure every group's sensitivity on the calibrated graphs and keep the fewest fp32 for cfg.target_agreement.
 
     `plans` quantize everything but the `tokenwise` nodes (per-token int8 with the `rounded` weights, measured as
-    such); returns the plans and
-    the per-token nodes with the kept groups excluded, and the `sensitivity` report."""
+    such); returns the plans and the per-token nodes with the kept groups excluded, and the `sensitivity` report."""
     from t5compress.quantize.check import Reference
     from t5compress.quantize.methods import Plan
     from t5compress.runtime.sessions import load_onnx

@@ -355,27 +355,13 @@ def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, tokenw
 
 
 def _gptq(sources: dict[str, Path], grams: dict, weight_max: int, progress: bool) -> dict:
-    """{graph: {node name: GPTQ-rounded int8 weight and scales}} for the nodes each graph's gram measured. Per graph:
-    the decoder graphs smooth each layer with their own scales (their inputs' ranges differ), so the same layer's
-    weights differ between them; the first-step graph's are rounded on the first steps' inputs alone."""
-    import numpy as np
-    from onnx import numpy_helper
-
+    """`gptq.round_graphs` with a progress bar."""
     from t5compress.progress import Reporter
-    from t5compress.quantize.gptq import gptq_int8
-    from t5compress.runtime.sessions import load_onnx
+    from t5compress.quantize.gptq import round_graphs
 
-    rounded: dict[str, dict] = {}
     with Reporter("quantize", sum(len(g.inputs) for g in grams.values()), unit="layer", what="GPTQ rounding",
                   enabled=progress, transient=True) as bar:
-        for g, gram in grams.items():
-            model, hessians, rounded[g] = load_onnx(str(sources[g])), gram.by_node(), {}
-            inits = {t.name: t for t in model.graph.initializer}
-            for node in (n for n in model.graph.node if n.name in hessians):
-                w = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
-                rounded[g][node.name] = gptq_int8(w, hessians[node.name], weight_max)
-                bar.update(1)
-    return rounded
+        return round_graphs(sources, grams, weight_max, step=lambda: bar.update(1))
 
 
 def _sizes(src: Path, out: Path) -> dict:
