@@ -79,6 +79,29 @@ def test_topk_equals_a_full_stable_sort_including_ties():
         assert (topk(x, k) == want).all(), shape
 
 
+def test_beam_topk_equals_topk_of_the_full_sum():
+    """Beam search's candidates without forming logp + scores: the same indices, best first (ties to the lower
+    index), and bit-identical float32 values, for padded vocabularies, beams held back by NEG and toy sizes."""
+    from t5compress.runtime.search import NEG, beam_topk
+
+    rng = np.random.default_rng(0)
+    for batch, beams, vocab, k in [(8, 4, 32128, 8), (1, 4, 32128, 8), (2, 3, 8016, 6), (3, 2, 100, 4), (1, 2, 3, 4)]:
+        for trial in range(4):
+            logp = (rng.standard_normal((batch * beams, vocab)) * 3).astype(np.float32)
+            logp[:, 1] = -np.inf  # a banned token
+            scores = rng.standard_normal((batch, beams)).astype(np.float32)
+            if trial == 1:
+                scores[:, 1:] = NEG  # the first step: only beam 0 may expand
+            if trial == 2:
+                # a tie at the top, the last entry in the chunk padding fills
+                logp[0, [4 % vocab, 9 % vocab, vocab - 1]] = logp[0].max() + 1
+            full = (logp.reshape(batch, beams, vocab) + scores[:, :, None]).reshape(batch, beams * vocab)
+            want = np.argsort(-full, axis=1, kind="stable")[:, :k]
+            values, cand = beam_topk(logp, scores, k)
+            np.testing.assert_array_equal(cand, want)
+            np.testing.assert_array_equal(values, np.take_along_axis(full, want, axis=1))
+
+
 def test_log_softmax_graph_is_the_one_node_model_and_matches_torch():
     """The embedded bytes are exactly LogSoftmax(axis=-1) built with onnx.helper; values match torch's log_softmax."""
     import onnx
