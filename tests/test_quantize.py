@@ -232,8 +232,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(skilled, static_dir, tmp_path
         with pytest.raises(err, match=msg):
             run(where, cfg, tmp_path / "out", progress=False)
         assert not (tmp_path / "out").exists()
-    with pytest.raises(ConfigError, match="smooth_alpha: block-wise int8 scales each block"):
-        QuantizeConfig(mode="blockwise", calib_data="x.txt", smooth_alpha=0.5)
+    with pytest.raises(ConfigError, match="block_size: choose one of 16, 32, 64, 128, 256, got 48"):
+        QuantizeConfig(mode="blockwise", block_size=48)
     for kw, field in [({"mode": "static"}, "calib_data"), ({"method": "kl"}, "method"), ({"samples": 0}, "samples"),
                       ({"mode": "dynamic", "smooth_alpha": 0.5}, "smooth_alpha"), ({"format": "x"}, "format")]:
         with pytest.raises(ConfigError, match=field):

@@ -237,7 +237,8 @@ def test_cli_prints_the_sensitivity_and_info_shows_the_table(gated_export, demo_
 
 
 def test_blockwise_takes_a_gated_models_wo_and_lm_head_blockwise_too(gated_export, tmp_path):
-    """A scale per 32 channels takes `wo`'s outliers: nothing is kept fp32 or per-token, unlike static's auto."""
+    """A scale per 32 channels (no calibration texts) takes `wo`'s outliers: nothing is kept fp32 or per-token,
+    unlike static's auto."""
     r = run(gated_export, QuantizeConfig(mode="blockwise", min_agreement=0.5), tmp_path / "b", progress=False)
     graph = onnx.load(str(tmp_path / "b" / "decoder_with_past_model.onnx")).graph
     blockwise = {n.name.removesuffix("_Q8") for n in graph.node if n.op_type == "MatMulNBits"}
@@ -261,6 +262,68 @@ def test_gptq_rounding_moves_outputs_less_than_rounding_to_nearest():
     assert err < 0.9 * err_nearest, (err, err_nearest)
     assert 0 < np.mean(q != nearest) < 0.5  # it moves some weights one step, not the grid
     assert np.abs(q.astype(int) - nearest).max() <= 3
+
+
+def test_gptq_with_a_scale_per_block_moves_outputs_less_than_rounding_to_nearest():
+    """GPTQ's groups: a scale per block of input channels, each taken when its block's turn comes; the layer's outputs
+    stay closer to fp32 than with each block rounded to nearest, and the packed MatMulNBits weights compute them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from t5compress.quantize.gptq import gptq_int8
+    from t5compress.quantize.methods import nearest_blocks, pack_blocks
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2000, 96)) @ rng.standard_normal((96, 96)) + 0.3 * rng.standard_normal((2000, 96))
+    w = rng.standard_normal((96, 40)).astype(np.float32)
+    for block in (32, 64):  # 96 = three blocks of 32, or one and a half of 64 (the last one padded)
+        q, scales = gptq_int8(w, x.T @ x, 127, group=block)
+        qn, sn = nearest_blocks(w, block)
+        assert q.shape == w.shape and q.dtype == np.int8 and scales.shape == sn.shape == (-(-96 // block), 40)
+        per_weight = np.repeat(scales, block, axis=0)[:96]
+        err = np.linalg.norm(x @ (w - q * per_weight))
+        err_nearest = np.linalg.norm(x @ (w - qn * np.repeat(sn, block, axis=0)[:96]))
+        assert err < 0.9 * err_nearest, (block, err, err_nearest)
+        packed, flat = pack_blocks(q, scales, block)
+        node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=96, N=40, bits=8,
+                                block_size=block, accuracy_level=0)  # fp32 arithmetic: the packing alone
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 96])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                                  [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(flat, "s")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        xs = x[:5].astype(np.float32)
+        y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": xs})
+        np.testing.assert_allclose(y[0], xs @ (q * per_weight), rtol=1e-4, atol=1e-3)
+
+
+def test_blockwise_with_calibration_texts_smooths_and_rounds_blocks_of_128_by_gptq(gated_export, demo_jsonl,
+                                                                                  tmp_path):
+    from t5compress.quantize.stage import applied
+
+    cfg = dict(mode="blockwise", calib_data=str(demo_jsonl), samples=32, min_agreement=0.5)
+    runs = {r: run(gated_export, QuantizeConfig(**cfg, rounding=r), tmp_path / r, progress=False)
+            for r in ("gptq", "nearest")}
+    r = runs["gptq"]
+    assert r["block_size"] == 128 and r["rounding"] == "gptq" and r["graphs"]["smooth_quant"]
+    shown = dict(applied(r))
+    assert shown["weights"] == "rounded by GPTQ on the calibration inputs (a scale per 128 input channels)"
+    assert "SmoothQuant" in shown and "weights" not in dict(applied(runs["nearest"]))
+    graph = onnx.load(str(tmp_path / "gptq" / "decoder_with_past_model.onnx")).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert {a.i for n in nbits for a in n.attribute if a.name == "block_size"} == {128}
+    assert {a.i for n in nbits for a in n.attribute if a.name == "accuracy_level"} == {4}
+    assert "/lm_head/MatMul_Q8" in {n.name for n in nbits} and not any(n.op_type == "MatMul" and "lm_head" in n.name
+                                                                        for n in graph.node)
+    packed = {t.name: t for t in graph.initializer if t.name.endswith("nbits_w")}
+    other = {t.name: t for t in onnx.load(str(tmp_path / "nearest" / "decoder_with_past_model.onnx")).graph.initializer
+             if t.name.endswith("nbits_w")}
+    assert packed.keys() == other.keys() and len(packed) == len(nbits)
+    from onnx import numpy_helper
+
+    moved = np.mean([np.mean(numpy_helper.to_array(packed[k]) != numpy_helper.to_array(other[k])) for k in packed])
+    assert 0.01 < moved < 0.6, moved  # GPTQ moves some weights off nearest (block scales differ a little too)
+    gptq, nearest = (runs[k]["check"]["next_token_agreement"] for k in ("gptq", "nearest"))
+    assert gptq >= nearest - 0.03 and gptq >= 0.9, (gptq, nearest)  # random weights; the fixtures' numbers: docs
 
 
 def test_gated_default_rounds_per_token_weights_by_gptq(gated_export, demo_jsonl, tmp_path):

@@ -19,9 +19,10 @@ def quantize(
     out: OutDir,
     static: Annotated[bool, typer.Option("--static", help="Static int8 on --calib-data (default).")] = False,
     dynamic: Annotated[bool, typer.Option("--dynamic", help="Dynamic int8: no calibration data needed.")] = False,
-    blockwise: Annotated[bool, typer.Option("--blockwise", help="Block-wise int8 (a scale per 32 input channels of "
-                                            "weights and activations; ONNX Runtime's MatMulNBits): no calibration "
-                                            "data, slower than static at batch > 1.")] = False,
+    blockwise: Annotated[bool, typer.Option("--blockwise", help="Block-wise int8 (a scale per --block-size input "
+                                            "channels of weights and activations; ONNX Runtime's MatMulNBits): "
+                                            "fastest at batch 1, slower than static at batch > 1; with --calib-data "
+                                            "smoothed and GPTQ-rounded, else no data needed.")] = False,
     force: Force = False,
     **opts,
 ) -> None:

@@ -45,11 +45,11 @@ class Gram:
 
 
 def round_graphs(paths: dict[str, Path], grams: dict[str, Gram], weight_max: int = 127,
-                 step=lambda: None) -> dict[str, dict]:
-    """{graph: {node name: (int8 weight, scale)}}: the weights of the nodes each graph's `Gram` measured, read from
-    `paths[graph]` and rounded by GPTQ on that graph's inputs. Per graph: the decoder graphs smooth each layer with
-    their own scales (their inputs' ranges differ), so the same layer's weights differ between them; the first-step
-    graph's are rounded on the first steps' inputs alone."""
+                 step=lambda: None, group: int | None = None) -> dict[str, dict]:
+    """{graph: {node name: (int8 weight, scales)}}: the weights of the nodes each graph's `Gram` measured, read from
+    `paths[graph]` and rounded by GPTQ on that graph's inputs (`group`: see `gptq_int8`). Per graph: the decoder
+    graphs smooth each layer with their own scales (their inputs' ranges differ), so the same layer's weights differ
+    between them; the first-step graph's are rounded on the first steps' inputs alone."""
     from onnx import numpy_helper
 
     rounded: dict[str, dict] = {}
@@ -58,29 +58,36 @@ def round_graphs(paths: dict[str, Path], grams: dict[str, Gram], weight_max: int
         inits = {t.name: t for t in model.graph.initializer}
         for node in (n for n in model.graph.node if n.name in hessians):
             rounded[g][node.name] = gptq_int8(numpy_helper.to_array(inits[node.input[1]]), hessians[node.name],
-                                              weight_max)
+                                              weight_max, group)
             step()
     return rounded
 
 
-def gptq_int8(w: np.ndarray, gram: np.ndarray, weight_max: int = 127) -> tuple[np.ndarray, np.ndarray]:
-    """w (in, out) -> (int8 (in, out), scale (out,) float32): a scale per output channel (max |w| / weight_max, as
-    rounding to nearest has it), the input channels rounded in order, each error spread over the later ones."""
+def gptq_int8(w: np.ndarray, gram: np.ndarray, weight_max: int = 127,
+              group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """w (in, out) -> (int8 (in, out), scales float32): the input channels rounded in order, each error spread over
+    the later ones. Scales max |w| / weight_max, as rounding to nearest has them: per output channel, (out,); with
+    `group`, per `group` input channels of each output channel, (ceil(in / group), out), each taken from the weights
+    as the errors of the channels before it left them (GPTQ's groups)."""
     W = w.T.astype(np.float64)  # (out, in): a row per output channel
-    scale = np.maximum(np.abs(W).max(axis=1), 1e-12) / weight_max
+    n = W.shape[1]
+    scales = [np.maximum(np.abs(W).max(axis=1), 1e-12) / weight_max] if group is None else []
     U = _inverse_factor(gram)
     Q = np.empty_like(W)
-    n = W.shape[1]
     for b0 in range(0, n, BLOCK):
         b1 = min(b0 + BLOCK, n)
         block, errors = W[:, b0:b1].copy(), np.empty((W.shape[0], b1 - b0))
         for j in range(b1 - b0):
             i = b0 + j
-            q = np.clip(np.round(block[:, j] / scale), -weight_max, weight_max)
+            if group is not None and i % group == 0:  # this group's columns as they stand now
+                cols = np.concatenate([block[:, j:j + group], W[:, b1:i + group]], axis=1)
+                scales.append(np.maximum(np.abs(cols).max(axis=1), 1e-12) / weight_max)
+            q = np.clip(np.round(block[:, j] / scales[-1]), -weight_max, weight_max)
             Q[:, i] = q
-            errors[:, j] = (block[:, j] - q * scale) / U[i, i]
+            errors[:, j] = (block[:, j] - q * scales[-1]) / U[i, i]
             block[:, j + 1:] -= np.outer(errors[:, j], U[i, i + 1:b1])
         W[:, b1:] -= errors @ U[b0:b1, b1:]
+    scale = np.stack(scales) if group is not None else scales[0]
     return Q.T.astype(np.int8), scale.astype(np.float32)
 
 

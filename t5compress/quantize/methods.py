@@ -133,27 +133,61 @@ def _unquantized(src: Path, dst: Path) -> None:
     onnx.save(load_onnx(str(src)), str(dst))
 
 
-BLOCK = 32  # blockwise: weights and activations get a scale per 32 input channels (95.4% of held-out outputs kept on
-# the gated fixture, benchmarks/results/int8_gated.md; blocks of 128 kept 94.0%, docs/quantize.md)
-
-
-def write_blockwise(src: Path, dst: Path, plan: Plan) -> None:
+def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict | None = None) -> None:
     """Block-wise int8: each linear layer as ONNX Runtime's MatMulNBits with 8-bit weights, one scale per block of
-    `BLOCK` input channels, and `accuracy_level` 4 (activations quantized to int8 per block at run time, int8
-    multiply-adds). The embedding lookups gather int8 rows, each with its own scale (`graphs.int8_row_lookups`)."""
+    `block` input channels, and `accuracy_level` 4 (activations quantized to int8 per block at run time, int8
+    multiply-adds). `rounded`: {node name: (int8 (in, out), scales (in / block, out))}, e.g. `gptq.gptq_int8`'s with
+    `group=block`; the other weights are rounded to nearest. The embedding lookups gather int8 rows, each with its own
+    scale (`graphs.int8_row_lookups`)."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from onnx import helper, numpy_helper
+
+    from t5compress.quantize.graphs import graph_index, int8_row_lookups, sort_nodes
 
     model = onnx.load(str(src))
-    linear = sorted(n.name for n in model.graph.node if n.op_type == "MatMul" and n.name in plan.nodes)
-    from t5compress.quantize.graphs import int8_row_lookups
-
     int8_row_lookups(model, set(plan.nodes))
-    with _quiet():
-        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=BLOCK, is_symmetric=True, accuracy_level=4,
-                                         nodes_to_include=linear)
-        quantizer.process()
-    onnx.save(quantizer.model.model, str(dst))
+    inits, _, users = graph_index(model)
+    done = []
+    for node in list(model.graph.node):
+        weight = node.input[1] if node.op_type == "MatMul" else None
+        if node.name not in plan.nodes or weight not in inits or users.get(weight, 0) != 1:
+            continue
+        w = numpy_helper.to_array(inits[node.input[1]])
+        q, scales = (rounded or {}).get(node.name) or nearest_blocks(w, block)
+        (k, n), p = w.shape, node.name.rsplit("/", 1)[0] + "/nbits_"
+        packed, scales = pack_blocks(q, scales, block)
+        model.graph.initializer.extend([numpy_helper.from_array(packed, p + "w"),
+                                        numpy_helper.from_array(scales, p + "scales")])
+        model.graph.initializer.remove(inits[node.input[1]])
+        model.graph.node.append(helper.make_node(
+            "MatMulNBits", [node.input[0], p + "w", p + "scales"], list(node.output), name=node.name + "_Q8",
+            domain="com.microsoft", K=k, N=n, bits=8, block_size=block, accuracy_level=4))
+        done.append(node.name)
+    if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    sort_nodes(model, set(done))
+    onnx.save(model, str(dst))
+
+
+def nearest_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """w (in, out) rounded to nearest with a scale per `block` input channels of each output channel: (int8 (in, out),
+    scales (ceil(in / block), out), max |w| / 127 of each block)."""
+    blocks = -(-w.shape[0] // block)
+    padded = np.zeros((blocks * block, w.shape[1]), np.float32)
+    padded[: w.shape[0]] = w
+    scales = np.maximum(np.abs(padded.reshape(blocks, block, -1)).max(axis=1), 1e-12) / 127  # (blocks, out)
+    q = np.clip(np.round(padded / np.repeat(scales, block, axis=0)), -127, 127)[: w.shape[0]]
+    return q.astype(np.int8), scales.astype(np.float32)
+
+
+def pack_blocks(q: np.ndarray, scales: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 (in, out) and scales (blocks, out) -> MatMulNBits' B (out, blocks, block) uint8, the int8 values + 128
+    (its default zero point for 8 bits), zero-padded past `in`, and its scales (out * blocks,) float32."""
+    blocks = scales.shape[0]
+    padded = np.zeros((blocks * block, q.shape[1]), np.int16)
+    padded[: q.shape[0]] = q
+    packed = (padded.T.reshape(q.shape[1], blocks, block) + 128).astype(np.uint8)
+    return packed, np.ascontiguousarray(scales.T, dtype=np.float32).reshape(-1)
 
 
 class _quiet:

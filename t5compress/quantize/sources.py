@@ -61,6 +61,8 @@ def smoothing_alpha(cfg, gated: bool) -> float:
     (benchmarks/results/int8_gated.md)."""
     if cfg.smooth_alpha is not None:
         return cfg.smooth_alpha
+    if cfg.mode == "blockwise":  # a block's scale follows its largest channel: move outliers out when data is given
+        return AUTO_ALPHA if gated and cfg.calib_data else 0.0
     return AUTO_ALPHA if gated and cfg.per_token == PER_TOKEN_AUTO and uses_per_token(cfg) else 0.0
 
 
