@@ -1,5 +1,6 @@
 """The goals benchmark: `t5compress bench` on random-weight t5-small, t5-efficient-small-el2 and flan-t5-small
-shapes (1 and 2 threads): our fp32 export, int8 static and pruned (50% heads, 50% FFN) + int8 static side by side
+shapes (1 and 2 threads): our fp32 export, int8 (static, and block-wise for batch 1) and pruned (50% heads, 50% FFN)
++ int8 side by side
 with every peer (PyTorch fp32 `generate`, optimum ORT fp32 and dynamic int8, CTranslate2 int8, OpenVINO fp32 and
 8-bit weights), with each engine's ms per decode step beside the floor the machine's memory bandwidth sets.
 
@@ -69,18 +70,20 @@ def build(arch: str, root: Path, samples: int = 48) -> Shape:
     return Shape(arch, model_dir, export_dir, work, calib)
 
 
-def int8_static(shape: Shape, src: Path, name: str, samples: int) -> Path:
+def int8_static(shape: Shape, src: Path, name: str, samples: int, mode: str = "static") -> Path:
+    """Our int8 of the export `src`: static (the default), or block-wise (MatMulNBits, blocks of 128, smoothed and
+    GPTQ-rounded on the same calibration texts), the layout for batch 1."""
     from t5compress.quantize import QuantizeConfig
     from t5compress.quantize import run as quantize
 
     out = shape.work / name
-    cfg = QuantizeConfig(calib_data=str(shape.calib), samples=samples, min_agreement=0.0)  # random weights
+    cfg = QuantizeConfig(mode=mode, calib_data=str(shape.calib), samples=samples, min_agreement=0.0)  # random weights
     quantize(src, cfg, out, force=True, progress=False)
     return out
 
 
-def pruned_int8(shape: Shape, samples: int) -> Path:
-    """The prune stage (50% of heads and of FFN channels, magnitude scores), exported, then int8 static."""
+def pruned_export(shape: Shape) -> Path:
+    """The prune stage (50% of heads and of FFN channels, magnitude scores), exported fp32."""
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
     from t5compress.prune.stage import PruneConfig
@@ -91,7 +94,7 @@ def pruned_int8(shape: Shape, samples: int) -> Path:
                                        calib_examples=8, eval_max_examples=2, latency_examples=0), pruned,
           force=True, progress=False)
     export(pruned, ExportConfig(), shape.work / "pruned-onnx", force=True)
-    return int8_static(shape, shape.work / "pruned-onnx", "pruned-int8", samples)
+    return shape.work / "pruned-onnx"
 
 
 def main() -> None:
@@ -105,6 +108,8 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None, help="interpreter for peers not importable here")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--calib-samples", type=int, default=32, help="texts our static int8 is calibrated on")
+    ap.add_argument("--no-blockwise", dest="blockwise", action="store_false",
+                    help="leave out our block-wise int8 variants (unpruned and pruned)")
     ap.add_argument("--profile", action="store_true", help="per-step profile of our int8 runtime (profile_steps.py)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rerender", action="store_true", help="measure nothing: rewrite bench_goals.md and each "
@@ -126,11 +131,15 @@ def main() -> None:
     reports, started = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.shapes:
-            print(f"{arch}: building the model, its export, int8 static and pruned + int8 static", flush=True)
+            print(f"{arch}: building the model, its export, int8 (static, block-wise) and pruned + int8", flush=True)
             shape = build(arch, Path(tmp), max(48, args.calib_samples))
+            pruned, n = pruned_export(shape), args.calib_samples
             variants = [f"pytorch={shape.model_dir}", f"fp32={shape.export_dir}",
-                        f"int8-static={int8_static(shape, shape.export_dir, 'int8', args.calib_samples)}",
-                        f"pruned-int8={pruned_int8(shape, args.calib_samples)}"]
+                        f"int8-static={int8_static(shape, shape.export_dir, 'int8', n)}",
+                        f"pruned-int8={int8_static(shape, pruned, 'pruned-int8', n)}"]
+            if args.blockwise:
+                blockwise = (("int8-blockwise", shape.export_dir), ("pruned-int8-blockwise", pruned))
+                variants += [f"{name}={int8_static(shape, src, name, n, 'blockwise')}" for name, src in blockwise]
             dest = out / "bench_goals" / arch
             reports[arch] = bench(variants, cfg, dest, force=True)
             shutil.rmtree(dest / "peers", ignore_errors=True)  # converted random weights: not worth keeping

@@ -126,7 +126,10 @@ VARIANTS = {  # name: (what, QuantizeConfig fields)
     "after": ("static, --keep-fp32 sensitive (the default's groups measured, the fewest kept fp32 for 97%)",
               {"keep_fp32": "sensitive"}),
     "dynamic": ("dynamic (gated: wo kept fp32)", {"mode": "dynamic"}),
-    "blockwise": ("block-wise (MatMulNBits, a scale per 32 channels)", {"mode": "blockwise"}),
+    "blockwise": ("block-wise (MatMulNBits, a scale per 32 channels), no calibration texts",
+                  {"mode": "blockwise", "calib_data": None}),
+    "blockwise-calibrated": ("block-wise with the calibration texts (blocks of 128, SmoothQuant 0.5, GPTQ)",
+                             {"mode": "blockwise"}),
 }
 
 
@@ -138,8 +141,9 @@ def quantize_all(work: Path, samples: int, eval_max: int, threads: int = 1, eval
     for name, (what, fields) in VARIANTS.items():
         if name in skip:
             continue
-        cfg = QuantizeConfig(calib_data=str(work / "train.jsonl"), eval_data=str(work / eval_file),
-                             samples=samples, eval_max=eval_max, min_agreement=0.0, threads=threads, **fields)
+        cfg = QuantizeConfig(**{"calib_data": str(work / "train.jsonl"), "eval_data": str(work / eval_file),
+                                "samples": samples, "eval_max": eval_max, "min_agreement": 0.0, "threads": threads,
+                                **fields})
         t0 = time.perf_counter()
         r = run(work / "onnx", cfg, work / name, force=True, progress=False)
         c, ev = r["check"], r["eval"]
@@ -192,7 +196,8 @@ def measure(work: Path, samples: int, eval_max: int, threads: int = 1, heldout: 
     rows = quantize_all(work, samples, heldout or eval_max, threads, "heldout.jsonl" if heldout else "eval.jsonl",
                         skip)
     texts = load_texts(work / "eval.jsonl", samples=16)
-    names = [n for n in ("all-int8", "per-token", "per-token-wo", "after", "before", "blockwise") if n not in skip]
+    names = [n for n in ("all-int8", "per-token", "per-token-wo", "after", "before", "blockwise",
+                         "blockwise-calibrated") if n not in skip]
     ms, b1 = generate_ms(work, names, texts), generate_ms(work, names, texts[:4], batch=1)
     for n in names:
         rows[n].update(generate_ms=ms[n], speed_vs_all_int8=round(ms[n] / ms["all-int8"], 3),

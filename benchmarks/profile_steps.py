@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 PROFILED = ("t5compress int8 static", "t5compress int8 dynamic", "t5compress int8 qat", "t5compress fp32")
-CASES = ((1, 1), (8, 1), (1, 4))  # (batch, beams)
+CASES = ((1, 1), (8, 1), (1, 4), (8, 4))  # (batch, beams)
 LINEAR_OPS = ("MatMul", "Gemm", "MatMulInteger", "MatMulIntegerToFloat", "QLinearMatMul", "DynamicQuantizeMatMul",
-              "FusedMatMul", "QGemm")
+              "MatMulNBits", "FusedMatMul", "QGemm")
 
 
 class TimedGraph:
