@@ -87,6 +87,10 @@ def test_blockwise_int8_needs_no_calibration_and_keeps_fp32s_outputs(static_dir,
         assert ops["MatMulNBits"] == r["graphs"][g]["quantized_nodes"] - 1 > 0, (g, ops)
         assert ops["QuantizeLinear"] == ops["MatMulInteger"] == ops["DynamicQuantizeLinear"] == 0, (g, ops)
     assert r["mode"] == "blockwise" and r["block_size"] == 32 and r["size"]["ratio"] < 0.45
+    for g in ("decoder_model", "decoder_with_past_model"):  # the tied table once: the lookup reads the LM head
+        names = {t.name for t in onnx.load(str(out / f"{g}.onnx")).graph.initializer}
+        assert not any(n.endswith(("_int8_rows", "_embedding")) for n in names), (g, sorted(names))
+        assert sum(n.endswith("nbits_w") for n in names) == _ops(out / f"{g}.onnx")["MatMulNBits"]
     static = _report(static_dir)["eval"]
     print(json.dumps({"blockwise": r["eval"]["greedy_agreement"], "static": static["greedy_agreement"]}))
     # Block scales keep more outputs than static int8's calibrated ones (measured here: 96.0% vs 89.5% identical greedy

@@ -145,9 +145,10 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
     from t5compress.quantize.graphs import graph_index, int8_row_lookups, sort_nodes
 
     model = onnx.load(str(src))
-    int8_row_lookups(model, set(plan.nodes))
+    tied = _tied_lookups(model, plan)
+    int8_row_lookups(model, set(plan.nodes) - set(tied))
     inits, _, users = graph_index(model)
-    done = []
+    done, packed_as = [], {}
     for node in list(model.graph.node):
         weight = node.input[1] if node.op_type == "MatMul" else None
         if node.name not in plan.nodes or weight not in inits or users.get(weight, 0) != 1:
@@ -159,14 +160,62 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
         model.graph.initializer.extend([numpy_helper.from_array(packed, p + "w"),
                                         numpy_helper.from_array(scales, p + "scales")])
         model.graph.initializer.remove(inits[node.input[1]])
+        packed_as[node.input[1]] = (p, k)
         model.graph.node.append(helper.make_node(
             "MatMulNBits", [node.input[0], p + "w", p + "scales"], list(node.output), name=node.name + "_Q8",
             domain="com.microsoft", K=k, N=n, bits=8, block_size=block, accuracy_level=4))
         done.append(node.name)
+    for lookup, weight in tied.items():
+        if weight in packed_as:
+            _lookup_packed(model, lookup, *packed_as[weight], block)
     if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     sort_nodes(model, set(done))
     onnx.save(model, str(dst))
+
+
+def _tied_lookups(model, plan: Plan) -> dict[str, str]:
+    """{lookup node name: LM head weight} for the embedding lookups (in `plan`) that read a copy of a tied table: the
+    export's (d_model, vocab) LM head matrix gathered along axis 1, copied by `graphs.untie_embeddings`."""
+    weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.name in plan.nodes}
+    out = {}
+    for node in model.graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        base = node.input[0].removesuffix("_embedding") if node.op_type == "Gather" else ""
+        if node.name in plan.nodes and axis == 1 and base != node.input[0] and base in weights:
+            out[node.name] = base
+    return out
+
+
+def _lookup_packed(model, name: str, p: str, k: int, block: int) -> None:
+    """Make the tied lookup `name` read the LM head's packed MatMulNBits matrix (`p`w: (vocab, blocks, block) uint8,
+    `p`scales: (vocab * blocks,)) instead of its own copy: the rows of the ids, less 128, times their blocks' scales,
+    in the (d_model, batch, length) layout the Gather along axis 1 gave. The tied table is then stored once."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = next(n for n in model.graph.node if n.name == name)
+    copy, ids, out = node.input[0], node.input[1], node.output[0]
+    q = f"{name}_blocks"
+    constants = {"_shape": np.array([-1, -(-k // block)], np.int64), "_flat": np.array([0, 0, -1], np.int64),
+                 "_zero": np.array(128.0, np.float32), "_unsq": np.array([-1], np.int64),
+                 "_start": np.array([0], np.int64), "_k": np.array([k], np.int64), "_axis": np.array([2], np.int64)}
+    model.graph.initializer.extend(numpy_helper.from_array(v, q + key) for key, v in constants.items())
+    model.graph.node.remove(node)
+    model.graph.node.extend([
+        helper.make_node("Gather", [p + "w", ids], [q + "_rows"], name=q + "_Gather", axis=0),  # (b, l, blocks, block)
+        helper.make_node("Cast", [q + "_rows"], [q + "_float"], name=q + "_Cast", to=TensorProto.FLOAT),
+        helper.make_node("Sub", [q + "_float", q + "_zero"], [q + "_int"], name=q + "_Sub"),
+        helper.make_node("Reshape", [p + "scales", q + "_shape"], [q + "_scales2d"], name=q + "_scales_Reshape"),
+        helper.make_node("Gather", [q + "_scales2d", ids], [q + "_picked"], name=q + "_scales_Gather", axis=0),
+        helper.make_node("Unsqueeze", [q + "_picked", q + "_unsq"], [q + "_scale"], name=q + "_Unsqueeze"),
+        helper.make_node("Mul", [q + "_int", q + "_scale"], [q + "_values"], name=q + "_Mul"),
+        helper.make_node("Reshape", [q + "_values", q + "_flat"], [q + "_padded"], name=q + "_Reshape"),
+        helper.make_node("Slice", [q + "_padded", q + "_start", q + "_k", q + "_axis"], [q + "_rows_d"],
+                         name=q + "_Slice"),  # blocks of the last one past d_model are padding
+        helper.make_node("Transpose", [q + "_rows_d"], [out], name=q + "_Transpose", perm=[2, 0, 1]),
+    ])
+    if not any(copy in n.input for n in model.graph.node):
+        model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == copy))
 
 
 def nearest_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
