@@ -138,20 +138,20 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
     `block` input channels, and `accuracy_level` 4 (activations quantized to int8 per block at run time, int8
     multiply-adds). `rounded`: {node name: (int8 (in, out), scales (in / block, out))}, e.g. `gptq.gptq_int8`'s with
     `group=block`; the other weights are rounded to nearest. The embedding lookups gather int8 rows, each with its own
-    scale (`graphs.int8_row_lookups`)."""
+    scale (`graphs.int8_row_lookups`); a tied one reads the LM head's packed blocks instead (`_lookup_packed`)."""
     import onnx
     from onnx import helper, numpy_helper
 
-    from t5compress.quantize.graphs import graph_index, int8_row_lookups, sort_nodes
+    from t5compress.quantize.graphs import int8_row_lookups, sort_nodes
 
     model = onnx.load(str(src))
     tied = _tied_lookups(model, plan)
     int8_row_lookups(model, set(plan.nodes) - set(tied))
-    inits, _, users = graph_index(model)
+    inits = {t.name: t for t in model.graph.initializer}
     done, packed_as = [], {}
     for node in list(model.graph.node):
         weight = node.input[1] if node.op_type == "MatMul" else None
-        if node.name not in plan.nodes or weight not in inits or users.get(weight, 0) != 1:
+        if node.name not in plan.nodes or weight not in inits:
             continue
         w = numpy_helper.to_array(inits[node.input[1]])
         q, scales = (rounded or {}).get(node.name) or nearest_blocks(w, block)
@@ -159,8 +159,7 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
         packed, scales = pack_blocks(q, scales, block)
         model.graph.initializer.extend([numpy_helper.from_array(packed, p + "w"),
                                         numpy_helper.from_array(scales, p + "scales")])
-        model.graph.initializer.remove(inits[node.input[1]])
-        packed_as[node.input[1]] = (p, k)
+        packed_as[weight] = (p, k)
         model.graph.node.append(helper.make_node(
             "MatMulNBits", [node.input[0], p + "w", p + "scales"], list(node.output), name=node.name + "_Q8",
             domain="com.microsoft", K=k, N=n, bits=8, block_size=block, accuracy_level=4))
@@ -171,6 +170,9 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
     if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     sort_nodes(model, set(done))
+    read = {x for n in model.graph.node for x in n.input}  # a fp32 weight stays only where a node still reads it
+    for t in [t for t in model.graph.initializer if t.name not in read]:  # (a tied table under --no-embeddings)
+        model.graph.initializer.remove(t)
     onnx.save(model, str(dst))
 
 

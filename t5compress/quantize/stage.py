@@ -143,7 +143,8 @@ class QuantizeConfig:
 
 def block_size(cfg: QuantizeConfig) -> int:
     """Block-wise: the block size asked for, else 128 with calibration texts (on the two trained gated fixtures,
-    smoothed and GPTQ-rounded blocks of 128 kept more held-out outputs than the static default) and 32 without."""
+    smoothed and GPTQ-rounded blocks of 128 kept as many held-out outputs as the static default: 95.8% / 74.8%
+    against 95.9% / 73.6%) and 32 without."""
     return cfg.block_size or (128 if cfg.calib_data else 32)
 
 
