@@ -170,10 +170,21 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
     if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     sort_nodes(model, set(done))
-    read = {x for n in model.graph.node for x in n.input}  # a fp32 weight stays only where a node still reads it
-    for t in [t for t in model.graph.initializer if t.name not in read]:  # (a tied table under --no-embeddings)
+    read = _read(model.graph)  # a fp32 weight stays only where a node still reads it (a tied table under
+    for t in [t for t in model.graph.initializer if t.name not in read]:  # --no-embeddings)
         model.graph.initializer.remove(t)
     onnx.save(model, str(dst))
+
+
+def _read(graph) -> set[str]:
+    """The names the nodes of `graph` read, those of its subgraphs (If, Loop) included."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for a in node.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                names |= _read(g)
+    return names
 
 
 def _tied_lookups(model, plan: Plan) -> dict[str, str]:
