@@ -25,12 +25,12 @@ DAMP = 0.01  # added to the Gram matrix's diagonal, as a share of its mean: keep
 
 
 class Gram:
-    """X^T X of the inputs of the MatMul nodes `names`, summed over real feeds through an augmented ONNX Runtime
+    """X^T X of the inputs of the MatMul nodes among `names`, summed over real feeds through an augmented ONNX Runtime
     session (a calibration sink, like `smooth.ChannelMax`)."""
 
     def __init__(self, path: Path, names: list[str], work: Path):
         model = load_onnx(str(path), load_external_data=False)
-        self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names)}
+        self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names) and n.op_type == "MatMul"}
         self.tensors = list(dict.fromkeys(self.inputs.values()))
         self.session = tapped_session(path, self.tensors, work, "gram")
         self.gram: dict[str, np.ndarray] = {}
@@ -71,7 +71,7 @@ def gptq_int8(w: np.ndarray, gram: np.ndarray, weight_max: int = 127,
     as the errors of the channels before it left them (GPTQ's groups)."""
     W = w.T.astype(np.float64)  # (out, in): a row per output channel
     n = W.shape[1]
-    scales = [np.maximum(np.abs(W).max(axis=1), 1e-12) / weight_max] if group is None else []
+    size, scales = group or n, []  # per output channel: one group of every input channel, scaled before any update
     U = _inverse_factor(gram)
     Q = np.empty_like(W)
     for b0 in range(0, n, BLOCK):
@@ -79,15 +79,15 @@ def gptq_int8(w: np.ndarray, gram: np.ndarray, weight_max: int = 127,
         block, errors = W[:, b0:b1].copy(), np.empty((W.shape[0], b1 - b0))
         for j in range(b1 - b0):
             i = b0 + j
-            if group is not None and i % group == 0:  # this group's columns as they stand now
-                cols = np.concatenate([block[:, j:j + group], W[:, b1:i + group]], axis=1)
+            if i % size == 0:  # this group's columns as they stand now
+                cols = np.concatenate([block[:, j:j + size], W[:, b1:i + size]], axis=1)
                 scales.append(np.maximum(np.abs(cols).max(axis=1), 1e-12) / weight_max)
             q = np.clip(np.round(block[:, j] / scales[-1]), -weight_max, weight_max)
             Q[:, i] = q
             errors[:, j] = (block[:, j] - q * scales[-1]) / U[i, i]
             block[:, j + 1:] -= np.outer(errors[:, j], U[i, i + 1:b1])
         W[:, b1:] -= errors @ U[b0:b1, b1:]
-    scale = np.stack(scales) if group is not None else scales[0]
+    scale = np.stack(scales) if group else scales[0]
     return Q.T.astype(np.int8), scale.astype(np.float32)
 
 

@@ -153,7 +153,7 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
         weight = node.input[1] if node.op_type == "MatMul" else None
         if node.name not in plan.nodes or weight not in inits:
             continue
-        w = numpy_helper.to_array(inits[node.input[1]])
+        w = numpy_helper.to_array(inits[weight])
         q, scales = (rounded or {}).get(node.name) or nearest_blocks(w, block)
         (k, n), p = w.shape, node.name.rsplit("/", 1)[0] + "/nbits_"
         packed, scales = pack_blocks(q, scales, block)
@@ -207,7 +207,7 @@ def _lookup_packed(model, name: str, p: str, k: int, block: int) -> None:
     from onnx import TensorProto, helper, numpy_helper
 
     node = next(n for n in model.graph.node if n.name == name)
-    copy, ids, out = node.input[0], node.input[1], node.output[0]
+    ids, out = node.input[1], node.output[0]  # its copy of the table, read by nothing now, goes with the unread ones
     q = f"{name}_blocks"
     constants = {"_shape": np.array([-1, -(-k // block)], np.int64), "_flat": np.array([0, 0, -1], np.int64),
                  "_zero": np.array(128.0, np.float32), "_unsq": np.array([-1], np.int64),
@@ -227,19 +227,17 @@ def _lookup_packed(model, name: str, p: str, k: int, block: int) -> None:
                          name=q + "_Slice"),  # blocks of the last one past d_model are padding
         helper.make_node("Transpose", [q + "_rows_d"], [out], name=q + "_Transpose", perm=[2, 0, 1]),
     ])
-    if not any(copy in n.input for n in model.graph.node):
-        model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == copy))
 
 
-def nearest_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+def nearest_blocks(w: np.ndarray, block: int, weight_max: int = 127) -> tuple[np.ndarray, np.ndarray]:
     """w (in, out) rounded to nearest with a scale per `block` input channels of each output channel: (int8 (in, out),
-    scales (ceil(in / block), out), max |w| / 127 of each block)."""
+    scales (ceil(in / block), out), max |w| / weight_max of each block). `block` = in: a scale per output channel."""
     blocks = -(-w.shape[0] // block)
     padded = np.zeros((blocks * block, w.shape[1]), np.float32)
     padded[: w.shape[0]] = w
-    scales = np.maximum(np.abs(padded.reshape(blocks, block, -1)).max(axis=1), 1e-12) / 127  # (blocks, out)
-    q = np.clip(np.round(padded / np.repeat(scales, block, axis=0)), -127, 127)[: w.shape[0]]
-    return q.astype(np.int8), scales.astype(np.float32)
+    scales = (np.maximum(np.abs(padded.reshape(blocks, block, -1)).max(axis=1), 1e-12) / weight_max).astype(np.float32)
+    q = np.clip(np.round(padded / np.repeat(scales, block, axis=0)), -weight_max, weight_max)[: w.shape[0]]
+    return q.astype(np.int8), scales
 
 
 def pack_blocks(q: np.ndarray, scales: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

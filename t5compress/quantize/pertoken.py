@@ -25,6 +25,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from t5compress.quantize.graphs import graph_index, sort_nodes
+from t5compress.quantize.methods import nearest_blocks
 from t5compress.runtime.sessions import load_onnx
 
 MS_DOMAIN = "com.microsoft"  # MatMulIntegerToFloat: ONNX Runtime's contrib op
@@ -101,10 +102,9 @@ def _quantize_rows(model: onnx.ModelProto, x: str, p: str, opset: int) -> list:
 
 
 def _nearest(w: np.ndarray, weight_max: int) -> tuple[np.ndarray, np.ndarray]:
-    """w (d_in, d_out) rounded to nearest on an int8 grid with a scale per output channel: (int8 w, scale)."""
-    w = w.astype(np.float32)
-    scale = (np.maximum(np.abs(w).max(axis=0), 1e-12) / weight_max).astype(np.float32)  # (d_out,)
-    return np.clip(np.round(w / scale), -weight_max, weight_max).astype(np.int8), scale
+    """w (d_in, d_out) rounded to nearest on an int8 grid with a scale per output channel: (int8 w, scale (d_out,))."""
+    q, scales = nearest_blocks(w, w.shape[0], weight_max)  # one block: every input channel
+    return q, scales[0]
 
 
 def _matmul(model: onnx.ModelProto, node, w: tuple[np.ndarray, np.ndarray], shared: str) -> list:

@@ -377,16 +377,10 @@ def _blockwise_gptq(src: Path, sources: dict, plans: dict, cfg: QuantizeConfig, 
 
     if cfg.rounding != GPTQ:
         return {}
-    grams = {g: Gram(sources[g], sorted(_matmuls(sources[g]).intersection(plans[g].nodes)), work) for g in GRAPHS}
+    grams = {g: Gram(sources[g], list(plans[g].nodes), work) for g in GRAPHS}
     drive_texts(load_runtime(src, threads=cfg.threads), texts, {g: [gram] for g, gram in grams.items()}, cfg,
                 progress, "calibrating")
     return _gptq(sources, grams, FULL_WEIGHT_MAX, progress, block_size(cfg))
-
-
-def _matmuls(path: Path) -> set[str]:
-    from t5compress.runtime.sessions import load_onnx
-
-    return {n.name for n in load_onnx(str(path), load_external_data=False).graph.node if n.op_type == "MatMul"}
 
 
 def _gptq(sources: dict[str, Path], grams: dict, weight_max: int, progress: bool, group: int | None = None) -> dict:
