@@ -1,5 +1,6 @@
 """How many held-out greedy outputs int8 *weights* alone change: the ceiling of any int8 scheme with one scale per
-output channel, whatever it does with the activations.
+output channel, whatever it does with the activations; and, for scale, how many change under far smaller changes to
+the same weights (rounded to bf16; 0.1% noise).
 
 For each fixture built by `benchmarks/int8_gated.py`, the fp32 export's linear weights are rounded to int8 per output
 channel (and the embedding rows per row, as the static default stores them) and stored back as fp32; activations stay
@@ -39,9 +40,10 @@ def gptq_weights(src: Path, texts: list[str], work: Path) -> dict[str, dict]:
     return round_graphs(paths, grams)
 
 
-def round_weights(src: Path, dst: Path, rounded: dict[str, dict] | None = None) -> int:
+def round_weights(src: Path, dst: Path, rounded: dict[str, dict] | None = None, change=None) -> int:
     """Copy the export dir `src` to `dst` with every linear weight and embedding row rounded to int8 (kept fp32):
-    to nearest, or the linear weights as `rounded` gives them ({graph: {node: (int8, scale)}})."""
+    to nearest, or the linear weights as `rounded` gives them ({graph: {node: (int8, scale)}}); or, with `change`,
+    each of those tensors as change(w) makes it (a smaller perturbation, for comparison)."""
     import numpy as np
     import onnx
     from onnx import numpy_helper
@@ -60,7 +62,9 @@ def round_weights(src: Path, dst: Path, rounded: dict[str, dict] | None = None) 
                 continue
             w = numpy_helper.to_array(inits[name]).astype(np.float32)
             given = (rounded or {}).get(path.stem, {}).get(node.name) if linear else None
-            if given is not None:
+            if change is not None:
+                w = change(w)
+            elif given is not None:
                 w = given[0].astype(np.float32) * given[1]
             else:
                 axis = 0 if linear else 1  # a scale per output channel (column) / per embedding row
@@ -73,6 +77,26 @@ def round_weights(src: Path, dst: Path, rounded: dict[str, dict] | None = None) 
     return count
 
 
+def bf16(w):
+    """Rounded to bfloat16 (8 significant bits: a relative error of at most 2^-8), kept float32."""
+    import numpy as np
+
+    bits = w.astype(np.float32).view(np.uint32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even, as torch's bfloat16 cast
+    return bits.view(np.float32)
+
+
+def noise(w):
+    """w times (1 + 0.1% Gaussian noise), a fixed seed per tensor shape."""
+    import numpy as np
+
+    return (w * (1 + 1e-3 * np.random.default_rng(w.size).standard_normal(w.shape))).astype(np.float32)
+
+
+# Changes far smaller than int8's, to the same tensors: how fragile the fixture's greedy outputs are in themselves.
+SMALLER = {"bf16_weights": bf16, "noise_weights": noise}
+
+
 def measure(fixture: Path, heldout: int) -> dict:
     from t5compress.data import DataConfig, load_examples
     from t5compress.quantize.calibrate import load_texts
@@ -83,7 +107,8 @@ def measure(fixture: Path, heldout: int) -> dict:
     fp32 = greedy_outputs(load_runtime(fixture / "onnx", threads=0), texts)
     about = json.loads((fixture / "fixture.json").read_text())
     row = {"fixture": f"{about.get('task', 'demo')}, pretrain {about['pretrain_steps']} + train "
-                      f"{about['finetune_steps']} steps", "heldout": len(texts)}
+                      f"{about['finetune_steps']} steps (exact match {about['exact_match']}, ROUGE-L "
+                      f"{about['rougeL']})", "heldout": len(texts)}
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "weights"
         row["tensors_rounded"] = round_weights(fixture / "onnx", weights)
@@ -93,6 +118,9 @@ def measure(fixture: Path, heldout: int) -> dict:
         round_weights(fixture / "onnx", Path(tmp) / "gptq", rounded)
         row["weight_only_int8_gptq"] = agreement(fp32, greedy_outputs(load_runtime(Path(tmp) / "gptq", threads=0),
                                                                       texts))
+        for key, change in SMALLER.items():
+            round_weights(fixture / "onnx", Path(tmp) / key, change=change)
+            row[key] = agreement(fp32, greedy_outputs(load_runtime(Path(tmp) / key, threads=0), texts))
     if (fixture / "per-token").is_dir():
         row["static_default"] = agreement(fp32, greedy_outputs(load_runtime(fixture / "per-token", threads=0), texts))
     return row
@@ -111,17 +139,24 @@ def main() -> None:
     result = {"cpu": cpu_features(), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(args.out / "int8_ceiling.json", result)
-    lines = ["# Held-out outputs int8 weights alone change (activations fp32)", "",
-             f"CPU: {result['cpu']['model']}. Greedy outputs identical to fp32's on the fixture's held-out inputs.",
+    (args.out / "int8_ceiling.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Held-out outputs int8 weights alone change (activations fp32), and far smaller changes", "",
+             f"CPU: {result['cpu']['model']}. Greedy outputs identical to fp32's on the fixture's held-out inputs, "
+             "with the same tensors (every linear weight and embedding row) rounded to bf16 (a relative error of at "
+             "most 2^-8), times (1 + 0.1% Gaussian noise), or rounded to int8; activations fp32 in all four.",
              "",
-             "| fixture | held-out | weights int8 to nearest (per channel, fp32 activations) | weights int8 by GPTQ "
-             "| static int8 default |", "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        default = f"{r['static_default']:.1%}" if "static_default" in r else ""
-        lines.append(f"| {r['fixture']} | {r['heldout']} | {r['weight_only_int8']:.1%} | "
-                     f"{r['weight_only_int8_gptq']:.1%} | {default} |")
-    (args.out / "int8_ceiling.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+             "| fixture | held-out | weights rounded to bf16 | weights x (1 + 0.1% noise) | weights int8 to nearest "
+             "(per channel, fp32 activations) | weights int8 by GPTQ | static int8 default |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        cells = [f"{r[k]:.1%}" if k in r else "" for k in (*SMALLER, "weight_only_int8", "weight_only_int8_gptq",
+                                                             "static_default")]
+        lines.append(f"| {r['fixture']} | {r['heldout']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
