@@ -123,6 +123,38 @@ def test_the_dir_is_plain_hugging_face(trimmed):
         assert model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr()
 
 
+def test_peers_convert_the_trimmed_dir_and_generate_its_tokens(trimmed, tmp_path):
+    """CTranslate2's converter and optimum's ONNX export load the trimmed dir as they would any T5 dir, and their
+    greedy outputs are transformers' on it, token for token (CTranslate2 at float32, so the comparison is exact)."""
+    import ctranslate2
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    _, out, _ = trimmed
+    tok, model = load_tokenizer(out), load_model(out)
+    sources = [e["source"] for e in HELD_OUT[:6]]
+    kw = {"max_new_tokens": 8, "do_sample": False, "num_beams": 1}
+    with torch.no_grad():
+        ref = model.generate(**tok(sources, padding=True, return_tensors="pt"), **kw)
+
+    def tokens(rows) -> list[list[int]]:  # without the start token; up to the first EOS, the padding after it dropped
+        out = [row.tolist()[1:] for row in rows]
+        return [r[:r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r for r in out]
+
+    ref = tokens(ref)
+
+    ctranslate2.converters.TransformersConverter(str(out)).convert(str(tmp_path / "ct2"), quantization="float32")
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    pieces = [tok.convert_ids_to_tokens(tok(s).input_ids) for s in sources]
+    results = translator.translate_batch(pieces, beam_size=1, max_decoding_length=8, return_end_token=True)
+    assert [tok.convert_tokens_to_ids(r.hypotheses[0]) for r in results] == ref
+
+    ort = ORTModelForSeq2SeqLM.from_pretrained(out, export=True)
+    assert ort.config.vocab_size == model.config.vocab_size < load_model(trimmed[0]).config.vocab_size
+    got = ort.generate(**tok(sources, padding=True, return_tensors="pt"), **kw)
+    assert tokens(got) == ref
+    assert any(len(r) > 1 for r in ref)
+
+
 def test_sizes_shrink_and_the_report_says_by_how_much(trimmed):
     src, out, report = trimmed
     v = report["vocab"]
