@@ -12,6 +12,7 @@ import numpy as np
 
 from t5compress.errors import ConfigError, DataError, ModelError
 from t5compress.names import DECODER_MASK
+from t5compress.runtime import hugepages
 from t5compress.runtime.ingraph import SEARCHES, GraphSearch
 from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
@@ -116,6 +117,7 @@ class Seq2SeqRuntime:
         self.max_input_tokens = input_limit(self.path) if max_input_tokens is _FROM_DIR else (max_input_tokens or None)
         self.device = "cpu"  # where the graphs run ('cpu' or 'cuda:N'); load_runtime sets it from the sessions
         self.io_binding = False  # True: the KV cache stays on the device between steps (runtime.binding)
+        self.hugepage_bytes = 0  # weights load_runtime moved onto 2 MiB pages (runtime.hugepages)
         self.graph_search: GraphSearch | None = None  # set: the search runs inside generator.onnx (runtime.ingraph)
         self._tokenizer = None
 
@@ -269,8 +271,11 @@ def load_runtime(
     p = Path(path)
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: choose one of {', '.join(SEARCHES)}")
+    before = hugepages.regions()  # the sessions' weights are what appears from here on
     if search == "graph":
-        return _graph_runtime(p, threads, providers, max_input_tokens, device, io_binding)
+        rt = _graph_runtime(p, threads, providers, max_input_tokens, device, io_binding)
+        rt.hugepage_bytes = hugepages.collapse_new(before)
+        return rt
     backend, placed = open_on_device(p, threads, providers, decoders, device)
     if io_binding is None:  # on a GPU the cache would otherwise cross to the host and back every step
         io_binding = placed.startswith("cuda") and hasattr(backend.decoder, "session")
@@ -283,6 +288,7 @@ def load_runtime(
     tokens, defaults = read_generation_defaults(p)
     rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
     rt.device, rt.io_binding = placed, io_binding
+    rt.hugepage_bytes = hugepages.collapse_new(before) if placed == "cpu" else 0
     return rt
 
 

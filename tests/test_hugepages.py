@@ -1,0 +1,75 @@
+"""The runtime moves the weights ONNX Runtime loads onto 2 MiB pages (Linux 6.1+ with transparent huge pages)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import numpy as np
+import pytest
+from conftest import build_tiny_t5
+
+from t5compress.runtime import hugepages, load_runtime
+
+# What this kernel can do decides what the tests expect: every branch asserts a number.
+CAN = hugepages.enabled() and tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit()) >= (6, 1)
+
+
+def _huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_a_region_allocated_after_the_snapshot_is_collapsed_and_keeps_its_bytes():
+    before = hugepages.regions()
+    a = np.arange(6 << 20, dtype=np.uint8)  # 6 MiB: numpy maps it fresh, anonymous
+    a[::4096] = 7
+    expected = a.copy()
+    done = hugepages.collapse_new(before)
+    if CAN:
+        assert done >= 2 << 20 and _huge_kb(a.ctypes.data + (3 << 20)) >= 2048
+    else:
+        assert done == 0
+    assert np.array_equal(a, expected)
+    assert hugepages.collapse_new(hugepages.regions()) == 0  # nothing new since
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(hugepages.ENV, "0")
+    assert not hugepages.enabled() and hugepages.regions() == set()
+    a = np.ones(4 << 20, dtype=np.uint8)
+    assert hugepages.collapse_new(set()) == 0 and a.sum() == 4 << 20
+
+
+def test_weights_on_huge_pages_generate_the_same_tokens(tmp_path, monkeypatch):
+    """A model with about 15 MB of weights, loaded in a fresh process as a user's would be: load_runtime collapses them
+    (where the kernel can), and the tokens, greedy and beam, are those of the same dir loaded without."""
+    import json
+    import subprocess
+
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+
+    src = build_tiny_t5(tmp_path / "model", seed=1, d_model=256, d_ff=1024, d_kv=32, num_heads=8)
+    export(src, ExportConfig(), tmp_path / "onnx")
+    texts = ["hello world", "a longer input sentence to translate", "x"]
+    code = ("import json, sys; from t5compress.runtime import load_runtime; rt = load_runtime(sys.argv[1]); "
+            "print(json.dumps([rt.hugepage_bytes] + [rt.generate_text(json.loads(sys.argv[2]), num_beams=b, "
+            "max_new_tokens=12) for b in (1, 3)]))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "onnx"), json.dumps(texts)], check=True,
+                          capture_output=True, text=True)
+    on_bytes, *on = json.loads(done.stdout.splitlines()[-1])
+    assert on_bytes >= 8 << 20 if CAN else on_bytes == 0
+    monkeypatch.setenv(hugepages.ENV, "0")
+    off = load_runtime(tmp_path / "onnx")
+    assert off.hugepage_bytes == 0
+    assert on == [off.generate_text(texts, num_beams=b, max_new_tokens=12) for b in (1, 3)]
