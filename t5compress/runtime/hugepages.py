@@ -42,7 +42,7 @@ def regions() -> set[tuple[int, int]]:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split()
-                if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):
+                if fields[1] == "rw-p" and (len(fields) < 6 or fields[5] == "[heap]"):  # private, no file
                     start, end = (int(x, 16) for x in fields[0].split("-"))
                     found.add((start, end))
     except (OSError, ValueError, IndexError):
