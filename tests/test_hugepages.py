@@ -30,10 +30,14 @@ def _huge_kb(address: int) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_a_region_allocated_after_the_snapshot_is_collapsed_and_keeps_its_bytes():
+    import mmap
+
+    expected = (np.arange(6 << 20) % 251).astype(np.uint8)
     before = hugepages.regions()
-    a = np.arange(6 << 20, dtype=np.uint8)  # 6 MiB: numpy maps it fresh, anonymous
-    a[::4096] = 7
-    expected = a.copy()
+    # a new private anonymous mapping, whatever malloc would have done with 6 MiB
+    region = mmap.mmap(-1, 6 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(region, dtype=np.uint8)
+    a[:] = expected
     done = hugepages.collapse_new(before)
     if CAN:
         assert done >= 2 << 20 and _huge_kb(a.ctypes.data + (3 << 20)) >= 2048
@@ -41,6 +45,8 @@ def test_a_region_allocated_after_the_snapshot_is_collapsed_and_keeps_its_bytes(
         assert done == 0
     assert np.array_equal(a, expected)
     assert hugepages.collapse_new(hugepages.regions()) == 0  # nothing new since
+    del a
+    region.close()
 
 
 def test_switched_off_by_the_environment(monkeypatch):
