@@ -332,3 +332,58 @@ def test_tied_embedding_is_stored_once_per_graph(relu_onnx, gated_onnx, tiny_mod
     assert _vocab_matrices(out / f"{ENCODER}.onnx", vocab) == [(vocab, d)]
     gated_out, _ = gated_onnx
     assert sorted(_vocab_matrices(gated_out / f"{DECODER}.onnx", vocab)) == [(d, vocab), (vocab, d)]
+
+
+def _random_feeds(session, sizes: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Feeds for every input of `session`: symbolic dims from `sizes`; ids below 50, masks with their last column
+    zero in row 0 (padding), float inputs normal."""
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [sizes[d] if isinstance(d, str) else d for d in i.shape]
+        if "mask" in i.name:
+            feeds[i.name] = np.ones(shape, np.int64)
+            feeds[i.name][0, -1] = 0
+        elif i.type == "tensor(int64)":
+            feeds[i.name] = rng.integers(3, 50, shape).astype(np.int64)
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def test_graph_passes_are_exact_and_take_the_shape_arithmetic_out(pruned_dir, tmp_path, monkeypatch):
+    """`export.simplify` on the tracer's graphs (exported here with it switched off): outputs bit-identical on
+    shapes never traced (ONNX Runtime's own optimisations off, so each graph runs as written); in the with-past step
+    every layer's Reshape has a constant target and the only Transposes left are the keys' and the position bias's
+    (they move more than a length-1 axis)."""
+    import onnx
+    import onnxruntime as ort
+
+    from t5compress.export import onnx as onnx_export
+    from t5compress.export.simplify import simplify
+
+    monkeypatch.setattr(onnx_export, "simplify", lambda proto: {})
+    _export(pruned_dir, tmp_path / "raw")
+    monkeypatch.undo()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sizes = {"batch_size": 3, "encoder_sequence_length": 7, "decoder_sequence_length": 4,
+             "past_decoder_sequence_length": 5}
+    counts = {}
+    for name in (ENCODER, DECODER, DECODER_WITH_PAST):
+        model = onnx.load(str(tmp_path / "raw" / f"{name}.onnx"))
+        raw = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        counts[name] = simplify(model)
+        new = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        for batch in (1, 3):
+            feeds = _random_feeds(raw, {**sizes, "batch_size": batch}, np.random.default_rng(batch))
+            for want, got in zip(raw.run(None, feeds), new.run(None, feeds), strict=True):
+                np.testing.assert_array_equal(got, want, err_msg=name)
+        if name == DECODER_WITH_PAST:
+            made = {o for n in model.graph.node for o in n.output}
+            assert not [n.name for n in model.graph.node  # in the layers; the mask's and bias's, once per step, stay
+                        if n.op_type == "Reshape" and n.input[1] in made and "/block." in n.name]
+            perms = [tuple(a.ints) for n in model.graph.node if n.op_type == "Transpose" for a in n.attribute]
+            # the keys of 3 decoder layers' self- and cross-attention, and the position bias (once per step)
+            assert sorted(perms) == [(0, 1, 3, 2)] * 6 + [(2, 0, 1)], perms
+    assert counts[DECODER_WITH_PAST]["transposes"] == 3 * 4 + 3 * 2, counts  # q, k, v, out; cross q, out
+    assert all(c["reshapes"] > 0 for c in counts.values()), counts

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from t5compress.errors import ExportError, first_line
+from t5compress.export.simplify import simplify
 from t5compress.export.tied import share_tied_weights
 from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX, USE_CACHE_BRANCH
 from t5compress.runtime.sessions import load_onnx
@@ -101,7 +102,7 @@ def export_graph(model: torch.nn.Module, spec: GraphSpec, path: Path, opset: int
     saved = share_tied_weights(proto) if share_tied else 0
     if saved:
         log.info("%s: tied embedding stored once (%.1f MB less)", spec.name, saved / 1e6)
-    drop_copying_concats(proto.graph)
+    log.info("%s: graph simplified (%s)", spec.name, ", ".join(f"{k} {v}" for k, v in simplify(proto).items()))
     return save_onnx(proto, path, external)
 
 
@@ -110,27 +111,6 @@ def dummy_inputs(model: torch.nn.Module, spec: GraphSpec) -> tuple[torch.Tensor,
     fp16 inputs, so its graph takes fp16 encoder_hidden_states and cache (ids and masks stay int64)."""
     dtype = model.dtype
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in spec.dummy_inputs(model.config))
-
-
-def drop_copying_concats(graph: onnx.GraphProto) -> int:
-    """Remove Concat nodes with a single input (the tracer's `torch.cat` of a cache with nothing), reading their input
-    instead; returns how many. Each is a copy: decoder_with_past had one per cross-attention key and value, copying
-    the whole cross-attention cache every step (4-13% of a t5-small int8 step, batch 1 to 8, measured)."""
-    outputs = {o.name for o in graph.output}
-    renamed: dict[str, str] = {}
-    kept = []
-    for node in graph.node:
-        if node.op_type == "Concat" and len(node.input) == 1 and node.output[0] not in outputs:
-            renamed[node.output[0]] = renamed.get(node.input[0], node.input[0])
-        else:
-            kept.append(node)
-    for node in kept:
-        for i, name in enumerate(node.input):
-            if name in renamed:
-                node.input[i] = renamed[name]
-    del graph.node[:]
-    graph.node.extend(kept)
-    return len(renamed)
 
 
 def _check_io(proto: onnx.ModelProto, spec: GraphSpec) -> None:
