@@ -28,7 +28,8 @@ model's own modules (attention, relative position bias, cache objects): nothing 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,10 @@ class _DecoderStep(nn.Module):
         # Half-precision exports hand out fp32 logits (scores, log-softmax and parity read fp32); fp32: no Cast node.
         return logits if logits.dtype == torch.float32 else logits.float()
 
+    def step(self, cache, **inputs: torch.Tensor):
+        """The decoder stack on `inputs` (ids, masks, encoder states) with `cache`; its output with the grown cache."""
+        return self.decoder(**inputs, past_key_values=cache, use_cache=True, return_dict=True)
+
 
 class DecoderGraph(_DecoderStep):
     """First decoding step(s): no past in; logits and the self- and cross-attention cache out."""
@@ -129,14 +134,8 @@ class DecoderGraph(_DecoderStep):
 
         # Config-less caches grow one layer at a time: a cache sized from the config takes the encoder depth.
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        out = self.decoder(
-            input_ids=input_ids,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
-        )
+        out = self.step(cache, input_ids=input_ids, encoder_hidden_states=encoder_hidden_states,
+                        encoder_attention_mask=encoder_attention_mask)
         return (self.logits(out.last_hidden_state), *flatten_cache(out.past_key_values, self.layers, cross=True))
 
 
@@ -154,15 +153,28 @@ class DecoderWithPastGraph(_DecoderStep):
         # the tensor's presence and (batch, enc_len) shape; a view of the cached key stands in, so the graph needs
         # no encoder_hidden_states input (as in optimum).
         stand_in = past[2][:, 0]  # (batch, enc_len, d_kv)
-        out = self.decoder(
-            input_ids=input_ids,
-            encoder_hidden_states=stand_in,
-            encoder_attention_mask=encoder_attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
-        )
+        with no_causal_mask(self.decoder):
+            out = self.step(cache, input_ids=input_ids, encoder_hidden_states=stand_in,
+                            encoder_attention_mask=encoder_attention_mask)
         return (self.logits(out.last_hidden_state), *flatten_cache(out.past_key_values, self.layers, cross=False))
+
+
+@contextmanager
+def no_causal_mask(decoder: nn.Module) -> Iterator[None]:
+    """While tracing a with-past step, T5Stack builds no causal mask (its attention then adds none).
+
+    One new token over a cache of real tokens attends to every position: the (batch, 1, 1, past + 1) mask T5Stack
+    builds for it is all zeros, and the tracer wrote its construction as ~90 nodes (Range, ScatterND, Expand, ...)
+    that every step ran, each ~2.5 us at one row. Exact, not approximate: the export's parity check compares the
+    graph with the model's own forward. A transformers without `_update_causal_mask` is traced as it is."""
+    if not callable(getattr(decoder, "_update_causal_mask", None)):
+        yield
+        return
+    decoder._update_causal_mask = lambda *args, **kwargs: None  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del decoder._update_causal_mask
 
 
 class MaskedDecoderWithPastGraph(_DecoderStep):
@@ -175,14 +187,12 @@ class MaskedDecoderWithPastGraph(_DecoderStep):
         from transformers.cache_utils import EncoderDecoderCache
 
         cache = EncoderDecoderCache.from_legacy_cache(tuple(past[i : i + 4] for i in range(0, len(past), 4)))
-        out = self.decoder(
+        out = self.step(
+            cache,
             input_ids=input_ids,
             attention_mask=attention_mask,  # (batch, past_len + 1): 0 for cache slots that hold no token
             encoder_hidden_states=past[2][:, 0],  # a stand-in, as in DecoderWithPastGraph
             encoder_attention_mask=encoder_attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
         )
         return (self.logits(out.last_hidden_state), *flatten_cache(out.past_key_values, self.layers, cross=False))
 
