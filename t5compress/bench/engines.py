@@ -124,6 +124,8 @@ def load_openvino(path: Path, threads: int, settings: dict) -> Generate:
     from optimum.intel import OVModelForSeq2SeqLM
 
     ov_config = {"INFERENCE_NUM_THREADS": str(threads), "PERFORMANCE_HINT": "LATENCY", "CACHE_DIR": ""}
+    if "INFERENCE_PRECISION_HINT" in settings:  # the fp32 peer: f32 arithmetic, not the CPU's bf16 default
+        ov_config["INFERENCE_PRECISION_HINT"] = settings["INFERENCE_PRECISION_HINT"]
     return hf_generate(OVModelForSeq2SeqLM.from_pretrained(path, ov_config=ov_config), threads, settings)
 
 
