@@ -85,7 +85,8 @@ def test_beam_topk_equals_topk_of_the_full_sum():
     from t5compress.runtime.search import NEG, beam_topk
 
     rng = np.random.default_rng(0)
-    for batch, beams, vocab, k in [(8, 4, 32128, 8), (1, 4, 32128, 8), (2, 3, 8016, 6), (3, 2, 100, 4), (1, 2, 3, 4)]:
+    cases = [(8, 4, 32128, 8), (1, 4, 32128, 8), (4, 2, 32128, 4), (2, 3, 8016, 6), (3, 2, 100, 4), (1, 2, 3, 4)]
+    for batch, beams, vocab, k in cases:  # chunk maxima ranked in 16 groups, in 8, and whole
         for trial in range(4):
             logp = (rng.standard_normal((batch * beams, vocab)) * 3).astype(np.float32)
             logp[:, 1] = -np.inf  # a banned token
