@@ -164,8 +164,8 @@ def no_causal_mask(decoder: nn.Module) -> Iterator[None]:
     """While tracing a with-past step, T5Stack builds no causal mask (its attention then adds none).
 
     One new token over a cache of real tokens attends to every position: the (batch, 1, 1, past + 1) mask T5Stack
-    builds for it is all zeros, and the tracer wrote its construction as ~90 nodes (Range, ScatterND, Expand, ...)
-    that every step ran, each ~2.5 us at one row. Exact, not approximate: the export's parity check compares the
+    builds for it is all zeros, and the tracer wrote its construction as ~70 nodes (Range, ScatterND, Expand, ...)
+    that every step ran. Exact, not approximate: the export's parity check compares the
     graph with the model's own forward. A transformers without `_update_causal_mask` is traced as it is."""
     if not callable(getattr(decoder, "_update_causal_mask", None)):
         yield

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx
 
+from t5compress.export.simplify import graph_index
 from t5compress.runtime.sessions import load_onnx
 
 # Op types that only appear in a graph once something quantized it (QDQ, QOperator or dynamic).
@@ -104,7 +105,7 @@ def share_lm_head_table(path: Path) -> int:
     table (a DequantizeLinear of the full matrix feeding the Gather made every t5-small decoder step ~6x slower).
     """
     model = load_onnx(str(path))
-    inits, producers, users = graph_index(model)
+    inits, producers, users = graph_index(model.graph)
     saved, dead = 0, set()
     for node in list(model.graph.node):
         if node.op_type != "Gather" or EMBEDDING not in node.name:
@@ -217,17 +218,6 @@ def topological(nodes: list) -> list:
     for i in range(len(nodes)):
         visit(i)
     return order
-
-
-def graph_index(model) -> tuple[dict, dict, dict[str, int]]:
-    """(initializers by name, the node producing each tensor, how many node inputs read each tensor)."""
-    inits = {t.name: t for t in model.graph.initializer}
-    producers = {o: n for n in model.graph.node for o in n.output}
-    users: dict[str, int] = {}
-    for n in model.graph.node:
-        for x in n.input:
-            users[x] = users.get(x, 0) + 1
-    return inits, producers, users
 
 
 def int8_row_lookups(model: onnx.ModelProto, names: set[str]) -> int:

@@ -13,9 +13,9 @@ its own scale at run time, and the weight one per output channel:
 
 The row's scale, m / 127, is split so that no node computes it: its 1/127 is QuantizeLinear's constant scale and is
 folded into the weight's scales. An all-zero row needs no guard either: 0 / 0 quantizes to some uint8, and whatever
-integers come out, m = 0 scales their product to an exact 0 (tested). Each node saved counts: ONNX Runtime spends
-~2.5 us per node of a one-row step whatever it computes. Layers reading the same input (q, k, v; wi_0, wi_1) share
-its quantization (4 nodes); each layer is one node. The
+integers come out, m = 0 scales their product to an exact 0 (tested). Each node saved counts: every node ONNX
+Runtime runs costs time whatever it computes (about 0.85 us of a one-row step, docs/benchmarks.md). Layers reading
+the same input (q, k, v; wi_0, wi_1) share its quantization (4 nodes); each layer is one node. The
 weights are stored int8, as in static int8 (the same size). The activations are uint8 around 128 rather than int8:
 ONNX Runtime's fast x86 kernels are u8 x s8 (int8 x int8 made flan-t5-small's steps 4x slower on an AVX2 machine).
 """
@@ -28,7 +28,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from t5compress.quantize.graphs import graph_index, sort_nodes
+from t5compress.export.simplify import graph_index
+from t5compress.quantize.graphs import sort_nodes
 from t5compress.quantize.methods import nearest_blocks
 from t5compress.runtime.sessions import load_onnx
 
@@ -51,7 +52,7 @@ def per_token_int8(path: Path, names: list[str], weight_max: int = 127, rounded:
 def rewrite(model: onnx.ModelProto, names: list[str] | set[str], weight_max: int = 127,
             rounded: Rounded | None = None) -> list[str]:
     """`per_token_int8` on a model in memory (changed in place; its nodes left in topological order)."""
-    inits, _, users = graph_index(model)
+    inits, _, users = graph_index(model.graph)
     by_input: dict[str, list] = {}
     for node in list(model.graph.node):
         weight = node.input[1] if node.op_type == "MatMul" else None
