@@ -18,6 +18,7 @@ from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
+from t5compress.runtime.sharedkv import SharedCacheDecoder, is_shared, with_shared_cache
 from t5compress.runtime.steps import with_few_row_steps
 from t5compress.runtime.text import TOKENIZER_FILE, Encoded, encode_batch, input_limit, load_text_tokenizer
 
@@ -168,17 +169,19 @@ class Seq2SeqRuntime:
         if self.graph_search is not None:
             return self.graph_search.generate(input_ids, mask, s, self.tokens)
         hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
-        decoder = self.decoder_for(hidden, mask, s.num_beams)
+        decoder = self.decoder_for(hidden, mask, s.num_beams, s.max_length)
         search = beam_search if s.num_beams > 1 else greedy_search
         return search(decoder, input_ids.shape[0], s, self.tokens)
 
-    def decoder_for(self, hidden: np.ndarray, mask: np.ndarray, beams: int):
-        """The step-by-step decoder of one call: the cache as numpy arrays, or (io_binding) as OrtValues kept on the
-        sessions' device."""
+    def decoder_for(self, hidden: np.ndarray, mask: np.ndarray, beams: int, max_length: int):
+        """The step-by-step decoder of one call: the cache as numpy arrays, in buffers written in place (a shared-
+        cache with-past graph, see `runtime.sharedkv`), or (io_binding) as OrtValues kept on the sessions' device."""
         if self.io_binding:
             from t5compress.runtime.binding import BoundDecoder
 
             return BoundDecoder(self.backend, hidden, mask, beams, self.device)
+        if is_shared(self.backend.decoder_with_past):
+            return SharedCacheDecoder(self.backend, hidden, mask, beams, max_length)
         return CachedDecoder(self.backend, hidden, mask, beams)
 
     def _mask(self, input_ids: np.ndarray, attention_mask: np.ndarray | None) -> np.ndarray:
@@ -284,7 +287,7 @@ def load_runtime(
                          f"{'merged' if backend.format == 'onnx' else 'TorchScript'} decoders; IO binding runs the "
                          "separate ONNX decoder graphs (--decoders separate)")
     if backend.format == "onnx" and placed == "cpu" and not io_binding:
-        backend = with_few_row_steps(backend, p, threads)
+        backend = with_few_row_steps(with_shared_cache(backend, p, threads), p, threads)
     tokens, defaults = read_generation_defaults(p)
     rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
     rt.device, rt.io_binding = placed, io_binding

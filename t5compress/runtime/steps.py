@@ -76,11 +76,12 @@ def with_few_row_steps(backend: Backend, path: Path, threads: int, margin: float
     """`backend` with its with-past steps of few rows on a one-thread session when that is faster (see the module
     docstring); `backend` itself when it runs one thread, has no separate with-past session, or the pool is faster."""
     pool = backend.decoder_with_past
-    if threads == 1 or (os.cpu_count() or 1) < 2 or not isinstance(pool, OnnxGraph):
+    reopen = getattr(pool, "reopen", None)  # a shared-cache graph (runtime.sharedkv) reopens from its rewrite
+    if threads == 1 or (os.cpu_count() or 1) < 2 or not (isinstance(pool, OnnxGraph) or reopen):
         return backend
     if pool.session.get_providers() != ["CPUExecutionProvider"]:
         return backend
-    single = OnnxGraph(path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", 1)
+    single = reopen(1) if reopen else OnnxGraph(path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", 1)
     try:
         many_s, few_s = step_times(pool, single)
     except Exception as e:  # onnxruntime raises its own types: a graph the made-up step does not fit keeps one session
