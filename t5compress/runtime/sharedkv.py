@@ -173,8 +173,8 @@ def _shape_nodes(g, shapes: list) -> list:
     nodes = [helper.make_node("Shape", ["input_ids"], [f"{prefix}/rows"], start=0, end=1),
              helper.make_node("Cast", [PAST_LEN], [f"{prefix}/past"], to=TensorProto.INT64),
              helper.make_node("Add", [f"{prefix}/past", const(f"{prefix}/one", [1])], [f"{prefix}/total"])]
-    for n, which, name in shapes:
-        t = next(v for v in g.input if v.name == name)
+    for n, which, past_name in shapes:
+        t = next(v for v in g.input if v.name == past_name)
         heads, d_kv = (t.type.tensor_type.shape.dim[i].dim_value for i in (1, 3))
         length = f"{prefix}/past" if which == "past" else f"{prefix}/total"
         name = n.output[0]
