@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from t5compress.onnxgraph import Index, drop_unused
+
 if TYPE_CHECKING:
     import onnx
 
@@ -99,65 +101,12 @@ def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
     return light
 
 
-def graph_index(graph: onnx.GraphProto) -> tuple[dict, dict, dict[str, int]]:
-    """(initializers by name, the node producing each tensor, how many node inputs read each tensor)."""
-    inits = {t.name: t for t in graph.initializer}
-    producers = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, int] = {}
-    for n in graph.node:
-        for x in n.input:
-            readers[x] = readers.get(x, 0) + 1
-    return inits, producers, readers
-
-
-class _Index:
-    """Producers, readers and constants of a graph, and new constants added to it."""
-
-    def __init__(self, graph: onnx.GraphProto):
-        self.graph = graph
-        self.inits, self.producers, self.readers = graph_index(graph)
-
-    def value(self, name: str) -> np.ndarray | None:
-        """The value of a constant tensor (initializer or Constant node), else None."""
-        from onnx import numpy_helper
-
-        if name in self.inits:
-            return numpy_helper.to_array(self.inits[name])
-        node = self.producers.get(name)
-        if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            return numpy_helper.to_array(node.attribute[0].t)
-        return None
-
-    def shape_dim(self, name: str) -> tuple[str, int] | None:
-        """(x, i) when `name` is Unsqueeze(Gather(Shape(x), i)): one dim of x as a 1-element tensor."""
-        node = self.producers.get(name)
-        gather = self.producers.get(node.input[0]) if node is not None and node.op_type == "Unsqueeze" else None
-        shape = self.producers.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" else None
-        if shape is None or shape.op_type != "Shape" or len(shape.attribute):
-            return None
-        i = self.value(gather.input[1])
-        return (shape.input[0], int(i)) if i is not None and i.size == 1 else None
-
-    def constant(self, values: list[int], hint: str) -> str:
-        """The name of a new int64 initializer holding `values`."""
-        from onnx import numpy_helper
-
-        name, k = f"{hint}/static_shape", 0
-        while name in self.inits:
-            k += 1
-            name = f"{hint}/static_shape_{k}"
-        t = numpy_helper.from_array(np.asarray(values, np.int64), name)
-        self.graph.initializer.append(t)
-        self.inits[name] = t
-        return name
-
-
 def static_reshapes(graph: onnx.GraphProto, shapes: dict[str, list[Dim]]) -> int:
     """Reshape targets built by Concat from constants and the dims of some x become constants; returns how many.
 
     A part Shape(x)[i] at place i becomes 0 (copy the input's dim i) only where inference gives the Reshape's input
     and x the same known dim there, so the copy is the value the nodes computed."""
-    index = _Index(graph)
+    index = Index(graph)
     done = 0
     for node in graph.node:
         if node.op_type != "Reshape" or any(a.name == "allowzero" and a.i for a in node.attribute):
@@ -189,7 +138,7 @@ def _same_dim(a: list[Dim] | None, b: list[Dim] | None, i: int) -> bool:
 
 def unit_transposes(graph: onnx.GraphProto, shapes: dict[str, list[Dim]]) -> int:
     """Transposes that only move axes of length 1 become Reshapes (same order in memory); returns how many."""
-    index = _Index(graph)
+    index = Index(graph)
     done = 0
     for node in graph.node:
         shape = shapes.get(node.input[0]) if node.op_type == "Transpose" else None
@@ -212,7 +161,7 @@ def unit_transposes(graph: onnx.GraphProto, shapes: dict[str, list[Dim]]) -> int
 def merge_reshapes(graph: onnx.GraphProto) -> int:
     """A Reshape whose input is another Reshape's output, read by nothing else, reads that Reshape's input (the
     second target decides the shape; each 0 in it must copy a dim the first one copied too); returns how many."""
-    index = _Index(graph)
+    index = Index(graph)
     outputs = {o.name for o in graph.output}
     done = 0
     for node in graph.node:
@@ -226,24 +175,3 @@ def merge_reshapes(graph: onnx.GraphProto) -> int:
         node.input[0] = first.input[0]
         done += 1
     return done
-
-
-def drop_unused(graph: onnx.GraphProto) -> int:
-    """Remove nodes whose outputs nothing reads (over and over, as chains empty), then unread initializers;
-    returns how many nodes went."""
-    if any(a.type == a.GRAPH for node in graph.node for a in node.attribute):
-        return 0  # subgraphs read outer names: not followed here (exported graphs have none)
-    outputs = {o.name for o in graph.output}
-    before = len(graph.node)
-    while True:
-        read = {name for node in graph.node for name in node.input} | outputs
-        kept = [n for n in graph.node if any(o in read for o in n.output)]
-        if len(kept) == len(graph.node):
-            break
-        del graph.node[:]
-        graph.node.extend(kept)
-    read = {name for node in graph.node for name in node.input} | outputs
-    unread = [t for t in graph.initializer if t.name not in read]
-    for t in unread:
-        graph.initializer.remove(t)
-    return before - len(graph.node)

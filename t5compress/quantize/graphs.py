@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 
-from t5compress.export.simplify import graph_index
+from t5compress.onnxgraph import graph_index
 from t5compress.runtime.sessions import load_onnx
 
 # Op types that only appear in a graph once something quantized it (QDQ, QOperator or dynamic).

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from t5compress.export.simplify import graph_index
+from t5compress.onnxgraph import graph_index
 from t5compress.quantize.graphs import sort_nodes
 from t5compress.quantize.methods import nearest_blocks
 from t5compress.runtime.sessions import load_onnx

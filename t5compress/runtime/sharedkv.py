@@ -39,7 +39,7 @@ def rewrite(model) -> int:
     """Swap every decoder layer's self-attention in a with-past `model` (onnx.ModelProto, changed in place) for
     DecoderMaskedMultiHeadAttention over a shared cache; returns the layers rewritten, 0 (and `model` unchanged)
     where any layer does not have the exported pattern."""
-    from t5compress.export.simplify import drop_unused
+    from t5compress.onnxgraph import drop_unused
 
     g = model.graph
     names = {i.name for i in g.input}
@@ -80,9 +80,9 @@ class _Graph:
     """Producers, readers and constants of a graph, for matching one layer's self-attention."""
 
     def __init__(self, g):
-        from t5compress.export.simplify import _Index
+        from t5compress.onnxgraph import Index
 
-        self.index = _Index(g)
+        self.index = Index(g)
         self.readers: dict[str, list] = {}
         for n in g.node:
             for x in n.input:

@@ -34,7 +34,7 @@ BLS_SOURCE = "t5_bls.py"
 LEAF_SOURCE = "onnx_graph.py"
 # What the server-side python needs of the package: the runtime and the modules it imports (numpy, onnxruntime and
 # tokenizers are all they import in turn).
-RUNTIME_FILES = ("__init__.py", "errors.py", "names.py", "textio.py", "runtime")
+RUNTIME_FILES = ("__init__.py", "errors.py", "names.py", "onnxgraph.py", "textio.py", "runtime")
 # Export-dir files the BLS model reads (tokenizer, special ids and generation defaults, graph tensor names).
 NOT_COPIED = {"report.json", "t5compress.json"}
 
