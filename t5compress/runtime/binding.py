@@ -129,6 +129,9 @@ class BoundDecoder:
         if any(s is None for s in sessions):
             raise ModelError("IO binding needs the separate ONNX decoder graphs (decoder_model and "
                              "decoder_with_past_model); this backend has none")
+        if getattr(backend.decoder_with_past, "shared_cache", False):
+            raise ModelError("IO binding runs the stored decoder_with_past_model; this backend's is rewritten for a "
+                             "shared cache (runtime.sharedkv): open it with io_binding=True")
         self.first_session, self.past_session = sessions
         kind, _, index = device.partition(":")
         self.device = ("cuda", int(index or 0)) if kind == "cuda" else ("cpu", 0)
