@@ -2,7 +2,8 @@
 
 The ONNX path imports numpy, onnxruntime and `tokenizers` only -- no torch, no transformers -- so it runs inside
 Triton python models and on edge boxes (the `onnx` package too where it is installed: with it, the with-past step
-runs over a self-attention cache written in place, see `runtime.sharedkv`). Outputs match `transformers` `model.generate(...)` token for token.
+runs over a self-attention cache written in place, see `runtime.sharedkv`). Outputs match `transformers`
+`model.generate(...)` token for token.
 Inputs longer than the model's limit (`max_input_tokens`, default the dir's tokenizer `model_max_length`) are
 truncated, and `generate_results` says which were; ByT5-style byte-level dirs need no tokenizer.json.
 

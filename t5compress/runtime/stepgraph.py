@@ -1,0 +1,182 @@
+"""Rewrites of an exported with-past step for the runtime (`runtime.sharedkv` runs them at load, in memory).
+
+`rewrite`: each decoder layer's self-attention becomes ONNX Runtime's `DecoderMaskedMultiHeadAttention` over a
+cache buffer shared by the step's input and output (`past_present_share_buffer`): the new key and value are written
+at `past_sequence_length`, beams read their history through `cache_indirection`. The Concats that grew the cache,
+the attention's own MatMuls, Add, Softmax and Reshapes go; the relative position bias goes in as the kernel's
+attention bias, and every Shape the graph took of the cache now reads `past_sequence_length`.
+
+`per_input_cross`: each layer's cross-attention reads one copy of its input's keys and values for all its beams
+(the query rows of an input's beams become the rows of one (beams, d_kv) query per head), so the runtime feeds the
+cross-attention cache and the encoder mask per input instead of repeating them for every beam.
+
+Both return how many layers they changed and leave the model as it was (0) unless every layer has the pattern the
+export writes (`export.graphs` traced, `export.simplify` passed over, optionally quantized).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from t5compress.names import DECODER_MASK
+
+PAST_LEN, BEAM_WIDTH, INDIRECTION = "past_sequence_length", "beam_width", "cache_indirection"
+
+
+def rewrite(model) -> int:
+    """Swap every decoder layer's self-attention in a with-past `model` (onnx.ModelProto, changed in place) for
+    DecoderMaskedMultiHeadAttention over a shared cache; returns the layers rewritten, 0 (and `model` unchanged)
+    where any layer does not have the exported pattern."""
+    from t5compress.onnxgraph import drop_unused
+
+    g = model.graph
+    names = {i.name for i in g.input}
+    past = sorted((n for n in names if n.startswith("past_key_values.") and ".decoder." in n), key=_layer)
+    if DECODER_MASK in names or not past or any(_elem(g, n) != 1 for n in past):
+        return 0
+    graph = _Graph(g)
+    layers = [graph.layer(past[i], past[i + 1]) for i in range(0, len(past), 2)]
+    if any(x is None for x in layers):
+        return 0
+    shapes = graph.shape_readers(past)
+    if shapes is None:
+        return 0
+    _add_inputs(g)
+    dropped = {id(n) for layer in layers for n in layer["drop"]} | {id(n) for n, _, _ in shapes}
+    new_first = _shape_nodes(g, shapes)
+    by_out = {id(layer["out"]): _attention(layer) for layer in layers}
+    nodes = [by_out.get(id(n), n) for n in g.node if id(n) not in dropped or id(n) in by_out]
+    del g.node[:]
+    g.node.extend(new_first + nodes)
+    for v in (*g.input, *g.output):
+        if v.name in past or v.name.replace("present.", "past_key_values.", 1) in past:
+            v.type.tensor_type.shape.dim[2].dim_param = "max_length"
+    drop_unused(g)
+    return len(layers)
+
+
+def _layer(name: str) -> tuple[int, str]:
+    parts = name.split(".")
+    return int(parts[1]), parts[3]
+
+
+def _elem(g, name: str) -> int:
+    return next(i.type.tensor_type.elem_type for i in g.input if i.name == name)
+
+
+class _Graph:
+    """Producers, readers and constants of a graph, for matching one layer's self-attention."""
+
+    def __init__(self, g):
+        from t5compress.onnxgraph import Index
+
+        self.index = Index(g)
+        self.readers: dict[str, list] = {}
+        for n in g.node:
+            for x in n.input:
+                self.readers.setdefault(x, []).append(n)
+
+    def only(self, name: str, op: str, skip: str = "Shape"):
+        """The one node of type `op` reading `name` (nodes of type `skip` aside), else None."""
+        found = [n for n in self.readers.get(name, []) if n.op_type != skip]
+        return found[0] if len(found) == 1 and found[0].op_type == op else None
+
+    def heads(self, reshape) -> tuple[int, int] | None:
+        """(heads, d_kv) of a Reshape of (rows, 1, inner) to (rows, heads, 1, d_kv), else None."""
+        t = self.index.value(reshape.input[1]) if reshape is not None and reshape.op_type == "Reshape" else None
+        return (int(t[1]), int(t[3])) if t is not None and t.size == 4 and t[0] == 0 and t[2] == 1 else None
+
+    def layer(self, key: str, value: str) -> dict | None:
+        """One layer's pattern, from its past key and value inputs; None where it differs from the export's."""
+        ck, cv = self.only(key, "Concat"), self.only(value, "Concat")
+        if ck is None or cv is None or list(ck.input)[:1] != [key] or list(cv.input)[:1] != [value]:
+            return None
+        present_k, present_v = ck.output[0], cv.output[0]
+        kt = self.only(present_k, "Transpose")
+        scores = self.only(kt.output[0], "MatMul") if kt is not None else None
+        ctx = self.only(present_v, "MatMul")
+        if scores is None or ctx is None or list(ctx.input) != [ctx.input[0], present_v]:
+            return None
+        q, k, v = (self.index.producers.get(x) for x in (scores.input[0], ck.input[1], cv.input[1]))
+        hq = self.heads(q)
+        if hq is None or hq != self.heads(k) or hq != self.heads(v):
+            return None
+        chain = self._softmax_chain(scores.output[0], ctx.input[0])
+        out = self.only(ctx.output[0], "Reshape", skip="")
+        if chain is None or out is None:
+            return None
+        return {"q": q.input[0], "k": k.input[0], "v": v.input[0], "bias": chain, "heads": hq[0],
+                "key": key, "value": value, "present": (present_k, present_v), "out": out,
+                "drop": [ck, cv], "name": scores.name.rsplit("/", 1)[0]}
+
+    def _softmax_chain(self, scores: str, probs: str) -> str | None:
+        """The bias added to the scores when they reach `probs` through Add, Casts and Softmax only; else None."""
+        add = self.only(scores, "Add", skip="")
+        if add is None:
+            return None
+        bias = add.input[1] if add.input[0] == scores else add.input[0]
+        x = add.output[0]
+        while x != probs:
+            found = self.readers.get(x, [])
+            if len(found) != 1 or found[0].op_type not in ("Cast", "Softmax"):
+                return None
+            x = found[0].output[0]
+        return bias
+
+    def shape_readers(self, past: list[str]) -> list | None:
+        """(Shape node, 'past' or 'present', the past input's name) for each Shape of a self-attention cache
+        tensor; None for a Shape with start/end (the export writes none)."""
+        found = []
+        for name in past:
+            present = name.replace("past_key_values.", "present.", 1)
+            for which, tensor in (("past", name), ("present", present)):
+                for n in self.readers.get(tensor, []):
+                    if n.op_type == "Shape":
+                        if len(n.attribute):
+                            return None
+                        found.append((n, which, name))
+        return found
+
+
+def _add_inputs(g) -> None:
+    from onnx import TensorProto, helper
+
+    g.input.extend([
+        helper.make_tensor_value_info(PAST_LEN, TensorProto.INT32, [1]),
+        helper.make_tensor_value_info(BEAM_WIDTH, TensorProto.INT32, [1]),
+        helper.make_tensor_value_info(INDIRECTION, TensorProto.INT32, ["batch", "beams", "max_length"]),
+    ])
+
+
+def _shape_nodes(g, shapes: list) -> list:
+    """Nodes computing what each Shape of a cache tensor gave, from past_sequence_length: (rows, heads, P, d_kv)
+    for the past, P + 1 for the grown cache. The Shape nodes' outputs keep their names."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def const(name: str, values: list[int]):
+        g.initializer.append(numpy_helper.from_array(np.asarray(values, np.int64), name))
+        return name
+
+    prefix = "/shared_cache"
+    nodes = [helper.make_node("Shape", ["input_ids"], [f"{prefix}/rows"], start=0, end=1),
+             helper.make_node("Cast", [PAST_LEN], [f"{prefix}/past"], to=TensorProto.INT64),
+             helper.make_node("Add", [f"{prefix}/past", const(f"{prefix}/one", [1])], [f"{prefix}/total"])]
+    for n, which, past_name in shapes:
+        t = next(v for v in g.input if v.name == past_name)
+        heads, d_kv = (t.type.tensor_type.shape.dim[i].dim_value for i in (1, 3))
+        length = f"{prefix}/past" if which == "past" else f"{prefix}/total"
+        name = n.output[0]
+        parts = [f"{prefix}/rows", const(f"{name}/heads", [heads]), length, const(f"{name}/d_kv", [d_kv])]
+        nodes.append(helper.make_node("Concat", parts, [name], axis=0))
+    return nodes
+
+
+def _attention(layer: dict):
+    from onnx import helper
+
+    inputs = [layer["q"], layer["k"], layer["v"], "", layer["bias"], layer["key"], layer["value"],
+              PAST_LEN, BEAM_WIDTH, INDIRECTION]
+    return helper.make_node(
+        "DecoderMaskedMultiHeadAttention", inputs, [layer["out"].output[0], *layer["present"]],
+        name=f"{layer['name']}/shared_cache", domain="com.microsoft",
+        num_heads=layer["heads"], past_present_share_buffer=1, scale=1.0)
