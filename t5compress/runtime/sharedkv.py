@@ -48,9 +48,10 @@ def with_shared_cache(backend, path: Path, threads: int):
     return backend if shared is None else dataclasses.replace(backend, decoder_with_past=shared)
 
 
-def open_shared(path: Path, threads: int):
+def open_shared(path: Path, threads: int, options=None):
     """The dir's decoder_with_past_model as a `SharedGraph` on the CPU, or None where the rewrite does not apply
-    (see the module docstring; the reason is logged)."""
+    (see the module docstring; the reason is logged). `options`: ONNX Runtime session options (default: the
+    runtime's for `threads`)."""
     import os
 
     file = path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}"
@@ -73,7 +74,7 @@ def open_shared(path: Path, threads: int):
     cross = per_input_cross(model)
     log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s", layers, file,
              "the cross-attention cache per input" if cross else "the cross-attention cache per beam")
-    return SharedGraph(model.SerializeToString(), threads, path, cross_per_input=cross > 0)
+    return SharedGraph(model.SerializeToString(), threads, path, cross_per_input=cross > 0, options=options)
 
 
 class SharedGraph:
@@ -81,14 +82,15 @@ class SharedGraph:
 
     shared_cache = True
 
-    def __init__(self, model: bytes, threads: int, path: Path, cross_per_input: bool = False):
+    def __init__(self, model: bytes, threads: int, path: Path, cross_per_input: bool = False, options=None):
         import onnxruntime as ort
 
         from t5compress.runtime.sessions import session_options
 
         self.name, self.path = DECODER_WITH_PAST, path
         self.cross_per_input = cross_per_input  # fed one cross-attention cache and mask row per input, not per beam
-        self.session = ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(model, options or session_options(threads),
+                                            providers=["CPUExecutionProvider"])
         extra = (PAST_LEN, BEAM_WIDTH, INDIRECTION)
         self.input_names = tuple(i.name for i in self.session.get_inputs() if i.name not in extra)
         self.output_names = tuple(o.name for o in self.session.get_outputs())
