@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from t5compress.names import ONNX_SUFFIX
+
 PROFILED = ("t5compress int8 static", "t5compress int8 dynamic", "t5compress int8 qat", "t5compress fp32")
 CASES = ((1, 1), (8, 1), (1, 4), (8, 4))  # (batch, beams)
 LINEAR_OPS = ("MatMul", "Gemm", "MatMulInteger", "MatMulIntegerToFloat", "QLinearMatMul", "DynamicQuantizeMatMul",
@@ -21,11 +23,32 @@ LINEAR_OPS = ("MatMul", "Gemm", "MatMulInteger", "MatMulIntegerToFloat", "QLinea
 
 
 class TimedGraph:
-    """A runtime graph whose `run` calls are counted and timed."""
+    """A runtime graph whose `run` calls (and, on a shared-cache graph, its session's IO-bound runs) are counted and
+    timed."""
 
     def __init__(self, graph):
         self.graph, self.ms, self.calls = graph, 0.0, 0
         self.name, self.input_names, self.output_names = graph.name, graph.input_names, graph.output_names
+        self.shared_cache = getattr(graph, "shared_cache", False)  # runtime.sharedkv's decoder reads these two
+        self.cross_per_input = getattr(graph, "cross_per_input", False)
+        if hasattr(graph, "session"):
+            self.session = TimedSession(graph.session, self)
+
+
+class TimedSession:
+    """An ONNX Runtime session whose `run_with_iobinding` calls count into a TimedGraph; all else passes through."""
+
+    def __init__(self, session, timer: TimedGraph):
+        self._session, self._timer = session, timer
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def run_with_iobinding(self, io, *args):
+        t0 = time.perf_counter()
+        self._session.run_with_iobinding(io, *args)
+        self._timer.ms += (time.perf_counter() - t0) * 1000
+        self._timer.calls += 1
 
     def run(self, feeds):
         t0 = time.perf_counter()
@@ -41,11 +64,9 @@ class ProfiledGraph:
     def __init__(self, path: Path, threads: int, prefix: Path):
         import onnxruntime as ort
 
-        from t5compress.runtime import session_options
 
-        so = session_options(threads)
-        so.enable_profiling, so.profile_file_prefix = True, str(prefix)
-        self.session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(path), sess_options=profiling(threads, prefix),
+                                            providers=["CPUExecutionProvider"])
         self.name = path.stem
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
@@ -53,6 +74,15 @@ class ProfiledGraph:
     def run(self, feeds):
         values = self.session.run(None, {n: feeds[n] for n in self.input_names})
         return dict(zip(self.output_names, values, strict=True))
+
+
+def profiling(threads: int, prefix: Path):
+    """The runtime's session options with ONNX Runtime's per-node profiler on."""
+    from t5compress.runtime import session_options
+
+    so = session_options(threads)
+    so.enable_profiling, so.profile_file_prefix = True, str(prefix)
+    return so
 
 
 def lm_head_node(path: Path) -> str | None:
@@ -123,11 +153,19 @@ class Case:
     moods."""
 
     def __init__(self, path: Path, name: str, batch: int, beams: int, make_inputs, new_tokens: int, threads: int,
-                 log_softmax=None):
+                 log_softmax=None, stored: bool = False):
+        import os
+
         from t5compress.runtime import load_runtime
+        from t5compress.runtime.sharedkv import ENV
 
         self.path, self.name, self.threads, self.log_softmax = path, name, threads, log_softmax
-        self.rt = rt = load_runtime(path, threads=threads)
+        before = os.environ.get(ENV)
+        os.environ[ENV] = "0" if stored else "1"  # stored: the with-past graph as the dir holds it
+        try:
+            self.rt = rt = load_runtime(path, threads=threads)
+        finally:
+            os.environ.pop(ENV) if before is None else os.environ.__setitem__(ENV, before)
         self.ids, self.mask = make_inputs(batch)
         self.gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams)
         self.timed = {g: TimedGraph(getattr(rt.backend, a)) for g, a in (("encoder", "encoder"), ("first", "decoder"),
@@ -161,11 +199,16 @@ class Case:
         prof_dir.mkdir(parents=True, exist_ok=True)
         profiled = {g: ProfiledGraph(self.path / f"{stem}.onnx", self.threads, prof_dir / f"{self.name}-{g}")
                     for g, stem in (("first", "decoder_model"), ("past", "decoder_with_past_model"))}
+        if self.timed["past"].shared_cache:  # profile the graph the runtime runs: the rewrite, not the file
+            from t5compress.runtime.sharedkv import open_shared
+
+            prefix = prof_dir / f"{self.name}-past"
+            profiled["past"] = open_shared(self.path, self.threads, profiling(self.threads, prefix))
         self.rt.backend = dataclasses.replace(self.rt.backend, decoder=profiled["first"],
                                               decoder_with_past=profiled["past"])
         self.generate()
         shares = {g: node_shares(json.loads(Path(x.session.end_profiling()).read_text()),
-                                 lm_head_node(self.path / f"{x.name}.onnx")) for g, x in profiled.items()}
+                                 lm_head_node(self.path / f"{x.name}{ONNX_SUFFIX}")) for g, x in profiled.items()}
         steps = max(1, self.timed["past"].calls // n)
         head = sum(per[g] * shares[g]["lm_head_ms"] / shares[g]["kernel_ms"] for g in ("first", "past")
                    if shares[g]["kernel_ms"])
@@ -199,6 +242,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", help="NAME=DIR")
     ap.add_argument("--numpy-log-softmax", nargs="*", default=[], help="names run with numpy's log-softmax")
+    ap.add_argument("--stored", nargs="*", default=[],
+                    help="names whose with-past graph runs as the dir stores it (no shared cache)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
@@ -214,7 +259,8 @@ def main() -> None:
     for batch, beams in (*CASES, (8, 4)):
         key = f"b{batch} {'greedy' if beams == 1 else f'beam {beams}'}"
         cases = [Case(Path(d), name, batch, beams, make_inputs, 32, args.threads,
-                      numpy_log_softmax if name in args.numpy_log_softmax else None) for name, d in dirs]
+                      numpy_log_softmax if name in args.numpy_log_softmax else None, name in args.stored)
+                 for name, d in dirs]
         for _ in range(args.repeats):  # one call of each dir in turn: a busy moment costs every dir alike
             for case in cases:
                 case.call()

@@ -97,11 +97,14 @@ def test_runtime_on_the_shared_cache_gives_the_stored_graphs_tokens(dirs, name, 
 
 
 def test_beams_reorder_through_the_indirection_not_the_cache(dirs):
+    """Beams share their input's cross-attention cache; reordering them moves no cache row, only the indirection."""
     rt = load_runtime(dirs["relu"], threads=1)
     ids, mask = inputs(2)
     hidden = rt.backend.encoder.run({"input_ids": ids, "attention_mask": mask})["last_hidden_state"]
     dec = SharedCacheDecoder(rt.backend, hidden, mask, beams=3, max_length=8)
     dec.step(np.zeros(6, dtype=np.int64))
+    # the cross-attention cache and the encoder mask once per input, read by all of its beams
+    assert all(v.shape[0] == 2 for v in dec.cross.values()) and dec.mask.shape == mask.shape
     dec.step(np.arange(3, 9, dtype=np.int64))
     buffers = {n: b.copy() for n, b in dec.buffers.items()}
     dec.reorder(np.array([2, 2, 0, 5, 3, 3]))

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from t5compress.names import DECODER_WITH_PAST, ONNX_SUFFIX
-from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, rewrite
+from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,10 @@ def with_shared_cache(backend, path: Path, threads: int):
     return backend if shared is None else dataclasses.replace(backend, decoder_with_past=shared)
 
 
-def open_shared(path: Path, threads: int):
+def open_shared(path: Path, threads: int, options=None):
     """The dir's decoder_with_past_model as a `SharedGraph` on the CPU, or None where the rewrite does not apply
-    (see the module docstring; the reason is logged)."""
+    (see the module docstring; the reason is logged). `options`: ONNX Runtime session options (default: the
+    runtime's for `threads`)."""
     import os
 
     file = path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}"
@@ -70,8 +71,10 @@ def open_shared(path: Path, threads: int):
     if not layers:
         log.info("shared cache: %s does not have the exported self-attention pattern: run as stored", file)
         return None
-    log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention", layers, file)
-    return SharedGraph(model.SerializeToString(), threads, path)
+    cross = per_input_cross(model)
+    log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s", layers, file,
+             "the cross-attention cache per input" if cross else "the cross-attention cache per beam")
+    return SharedGraph(model.SerializeToString(), threads, path, cross_per_input=cross > 0, options=options)
 
 
 class SharedGraph:
@@ -79,13 +82,15 @@ class SharedGraph:
 
     shared_cache = True
 
-    def __init__(self, model: bytes, threads: int, path: Path):
+    def __init__(self, model: bytes, threads: int, path: Path, cross_per_input: bool = False, options=None):
         import onnxruntime as ort
 
         from t5compress.runtime.sessions import session_options
 
         self.name, self.path = DECODER_WITH_PAST, path
-        self.session = ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
+        self.cross_per_input = cross_per_input  # fed one cross-attention cache and mask row per input, not per beam
+        self.session = ort.InferenceSession(model, options or session_options(threads),
+                                            providers=["CPUExecutionProvider"])
         extra = (PAST_LEN, BEAM_WIDTH, INDIRECTION)
         self.input_names = tuple(i.name for i in self.session.get_inputs() if i.name not in extra)
         self.output_names = tuple(o.name for o in self.session.get_outputs())
@@ -110,8 +115,14 @@ class SharedGraph:
 
 def is_shared(graph) -> bool:
     """Whether `graph` (or both sessions of a row split) runs over a shared cache."""
-    return bool(getattr(graph, "shared_cache", False)) or (
-        getattr(getattr(graph, "many", None), "shared_cache", False) and graph.few.shared_cache)
+    return _flag(graph, "shared_cache")
+
+
+def _flag(graph, name: str) -> bool:
+    """A SharedGraph's flag, on the graph or on both sessions of a `runtime.steps.RowSplitGraph`."""
+    if hasattr(graph, "few"):
+        return bool(getattr(graph.few, name, False) and getattr(graph.many, name, False))
+    return bool(getattr(graph, name, False))
 
 
 def _session(graph, rows: int):
@@ -134,8 +145,9 @@ class SharedCacheDecoder:
         self.hidden: np.ndarray | None = hidden  # (batch, enc_len, d_model)
         self.mask, self.beams, self.max_length = mask, beams, max_length
         self.buffers: dict[str, np.ndarray] = {}  # past name -> (rows, heads, max_length, d_kv)
-        self.cross: dict[str, np.ndarray] = {}  # past name -> (rows, heads, enc_len, d_kv)
+        self.cross: dict[str, np.ndarray] = {}  # past name -> (rows or inputs, heads, enc_len, d_kv)
         self.past_len = np.zeros(1, np.int32)
+        self.per_input = _flag(self.graph, "cross_per_input")  # the cross-attention cache and mask: a row per input
         self.io = None
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
@@ -161,8 +173,8 @@ class SharedCacheDecoder:
                 self.buffers[past] = buf
                 self.past_len[0] = value.shape[2]
             elif ".encoder." in name:
-                self.cross[past] = np.ascontiguousarray(expand(value))
-        self.mask = np.ascontiguousarray(expand(self.mask))
+                self.cross[past] = np.ascontiguousarray(value if self.per_input else expand(value))
+        self.mask = np.ascontiguousarray(self.mask if self.per_input else expand(self.mask))
         self.indirection = np.zeros((tokens.shape[0], self.beams, self.max_length), np.int32)
         self.vocab = out["logits"].shape[-1]
         self._bind(tokens.shape[0] * self.beams)

@@ -123,6 +123,22 @@ class _Graph:
             x = found[0].output[0]
         return bias
 
+    def cross(self, key: str, value: str) -> dict | None:
+        """One layer's cross-attention, from its cached key and value inputs; None where it differs from the
+        export's: Transpose(key) read by the scores MatMul, whose query is a Reshape to (rows, heads, 1, d_kv), and
+        MatMul(probabilities, value) read by one Reshape back to (rows, 1, inner)."""
+        kt = self.only(key, "Transpose")
+        scores = self.only(kt.output[0], "MatMul", skip="") if kt is not None else None
+        ctx = self.only(value, "MatMul")
+        if scores is None or ctx is None or list(scores.input)[1:] != [kt.output[0]] or list(ctx.input)[1:] != [value]:
+            return None
+        q = self.index.producers.get(scores.input[0])
+        heads = self.heads(q)
+        out = self.only(ctx.output[0], "Reshape", skip="")
+        if heads is None or out is None or len(self.readers.get(q.output[0], [])) != 1:
+            return None
+        return {"q": q, "heads": heads, "scores": scores, "ctx": ctx, "out": out}
+
     def shape_readers(self, past: list[str]) -> list | None:
         """(Shape node, 'past' or 'present', the past input's name) for each Shape of a self-attention cache
         tensor; None for a Shape with start/end (the export writes none)."""
@@ -180,3 +196,43 @@ def _attention(layer: dict):
         "DecoderMaskedMultiHeadAttention", inputs, [layer["out"].output[0], *layer["present"]],
         name=f"{layer['name']}/shared_cache", domain="com.microsoft",
         num_heads=layer["heads"], past_present_share_buffer=1, scale=1.0)
+
+
+def per_input_cross(model) -> int:
+    """Let each layer's cross-attention read its input's keys and values once for all that input's beams (`model`,
+    an onnx.ModelProto, changed in place); returns the layers changed, 0 (and `model` unchanged) where any layer
+    does not have the exported pattern.
+
+    Per layer: the query (rows, 1, inner) is reshaped to (inputs, beams, heads, d_kv), inputs read off the cached
+    keys, and transposed to (inputs, heads, beams, d_kv), so that its scores against the (inputs, heads, enc_len,
+    d_kv) keys are one (beams, enc_len) product per head; the context goes back to (rows, 1, inner). Fed a cache of
+    one row per beam (inputs = rows) the graph computes what it did before. The encoder mask then has a row per
+    input, which the cross-attention bias alone reads."""
+    from onnx import helper
+
+    g = model.graph
+    graph = _Graph(g)
+    keys = sorted((i.name for i in g.input if i.name.startswith("past_key_values.") and ".encoder.key" in i.name),
+                  key=_layer)
+    plans = [graph.cross(key, key[: -len("key")] + "value") for key in keys]
+    if not plans or any(p is None for p in plans):
+        return 0
+    inputs = "/per_input_cross/inputs"
+    after: dict[int, list] = {}
+    first = [helper.make_node("Shape", [keys[0]], [inputs], start=0, end=1)]
+    for p in plans:
+        heads, d_kv = p["heads"]
+        q, ctx, out = p["q"], p["ctx"], p["out"]
+        target = graph.index.constant([-1, heads, d_kv], f"{q.name}/per_input")
+        first.append(helper.make_node("Concat", [inputs, target], [f"{q.name}/per_input_shape"], axis=0))
+        q.input[1] = f"{q.name}/per_input_shape"
+        by_head = helper.make_node("Transpose", [q.output[0]], [f"{q.output[0]}/by_head"], perm=[0, 2, 1, 3])
+        p["scores"].input[0] = by_head.output[0]
+        by_row = helper.make_node("Transpose", [ctx.output[0]], [f"{ctx.output[0]}/by_row"], perm=[0, 2, 1, 3])
+        out.input[0] = by_row.output[0]
+        out.input[1] = graph.index.constant([-1, 1, heads * d_kv], f"{out.name}/per_input")
+        after[id(q)], after[id(ctx)] = [by_head], [by_row]
+    nodes = first + [x for n in g.node for x in (n, *after.get(id(n), ()))]
+    del g.node[:]
+    g.node.extend(nodes)
+    return len(plans)
