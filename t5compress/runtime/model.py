@@ -171,7 +171,10 @@ class Seq2SeqRuntime:
         hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
         decoder = self.decoder_for(hidden, mask, s.num_beams, s.max_length)
         search = beam_search if s.num_beams > 1 else greedy_search
-        return search(decoder, input_ids.shape[0], s, self.tokens)
+        try:
+            return search(decoder, input_ids.shape[0], s, self.tokens)
+        finally:
+            getattr(decoder, "close", lambda: None)()  # a shared-cache decoder gives its buffers back
 
     def decoder_for(self, hidden: np.ndarray, mask: np.ndarray, beams: int, max_length: int):
         """The step-by-step decoder of one call: the cache as numpy arrays, in buffers written in place (a shared-

@@ -22,6 +22,7 @@ slot longer), so calibration and the one-thread step timing read it like any gra
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,7 @@ class SharedGraph:
 
         self.name, self.path = DECODER_WITH_PAST, path
         self.cross_per_input = cross_per_input  # fed one cross-attention cache and mask row per input, not per beam
+        self.pool = BufferPool()
         self.session = ort.InferenceSession(model, options or session_options(threads),
                                             providers=["CPUExecutionProvider"])
         extra = (PAST_LEN, BEAM_WIDTH, INDIRECTION)
@@ -125,6 +127,29 @@ def _flag(graph, name: str) -> bool:
     return bool(getattr(graph, name, False))
 
 
+class BufferPool:
+    """Cache and logits buffers kept between calls, by shape. Fresh arrays of a few MB cost a page fault for every
+    4 KiB page the first time it is written, in every call: 7% of a batch-32 greedy call of the demo fixture."""
+
+    def __init__(self, sets: int = 4):
+        self.sets, self.free = sets, []  # (shapes, arrays), the most recently given back last
+        self.lock = threading.Lock()
+
+    def take(self, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+        """float32 arrays of `shapes`, their contents undefined (a step reads only positions it wrote before)."""
+        with self.lock:
+            for i, (have, arrays) in enumerate(self.free):
+                if have == shapes:
+                    del self.free[i]
+                    return arrays
+        return [np.empty(shape, np.float32) for shape in shapes]
+
+    def give(self, arrays: list[np.ndarray]) -> None:
+        with self.lock:
+            self.free.append(([a.shape for a in arrays], arrays))
+            del self.free[: -self.sets]
+
+
 def _session(graph, rows: int):
     if hasattr(graph, "few"):  # runtime.steps.RowSplitGraph
         return graph.few.session if rows <= graph.few_rows else graph.many.session
@@ -148,6 +173,8 @@ class SharedCacheDecoder:
         self.cross: dict[str, np.ndarray] = {}  # past name -> (rows or inputs, heads, enc_len, d_kv)
         self.past_len = np.zeros(1, np.int32)
         self.per_input = _flag(self.graph, "cross_per_input")  # the cross-attention cache and mask: a row per input
+        self.pool = (self.graph.many if hasattr(self.graph, "few") else self.graph).pool
+        self.owned: list[np.ndarray] = []  # the pool's arrays this call holds (cache buffers, logits)
         self.io = None
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
@@ -164,26 +191,27 @@ class SharedCacheDecoder:
             {"input_ids": tokens[:, None], "encoder_hidden_states": self.hidden, "encoder_attention_mask": self.mask})
         self.hidden = None
         expand = (lambda a: np.repeat(a, self.beams, axis=0)) if self.beams > 1 else (lambda a: a)
+        rows = tokens.shape[0] * self.beams
+        own = {n.replace("present.", "past_key_values.", 1): v for n, v in out.items() if ".decoder." in n}
+        shapes = [(rows, v.shape[1], self.max_length, v.shape[3]) for v in own.values()]
+        self.owned = self.pool.take([*shapes, (rows, 1, out["logits"].shape[-1])])  # given back by `close`
+        for (name, value), buf in zip(own.items(), self.owned, strict=False):
+            buf[:, :, : value.shape[2]] = expand(value)
+            self.buffers[name] = buf
+            self.past_len[0] = value.shape[2]
         for name, value in out.items():
-            past = name.replace("present.", "past_key_values.", 1)
-            if ".decoder." in name:
-                buf = np.zeros((value.shape[0] * self.beams, value.shape[1], self.max_length, value.shape[3]),
-                               np.float32)
-                buf[:, :, : value.shape[2]] = expand(value)
-                self.buffers[past] = buf
-                self.past_len[0] = value.shape[2]
-            elif ".encoder." in name:
+            if ".encoder." in name:  # graph outputs, ours to compact in place in `keep`
+                past = name.replace("present.", "past_key_values.", 1)
                 self.cross[past] = np.ascontiguousarray(value if self.per_input else expand(value))
-        self.mask = np.ascontiguousarray(self.mask if self.per_input else expand(self.mask))
+        self.mask = np.array(self.mask if self.per_input else expand(self.mask))  # a copy: `keep` writes into it
         self.indirection = np.zeros((tokens.shape[0], self.beams, self.max_length), np.int32)
-        self.vocab = out["logits"].shape[-1]
-        self._bind(tokens.shape[0] * self.beams)
+        self.logits = self.owned[-1]
+        self._bind(rows)
         return expand(out["logits"][:, -1, :].astype(np.float32, copy=False))
 
     def _bind(self, rows: int) -> None:
         self.session = _session(self.graph, rows)
         self.ids = np.zeros((rows, 1), np.int64)
-        self.logits = np.empty((rows, 1, self.vocab), np.float32)
         self.width = np.array([self.beams], np.int32)
         io = self.session.io_binding()
         arrays = {"input_ids": self.ids, "encoder_attention_mask": self.mask, PAST_LEN: self.past_len,
@@ -195,6 +223,12 @@ class SharedCacheDecoder:
             io.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
         self.io = io
 
+    def close(self) -> None:
+        """Give the cache buffers back for the next call (the runtime calls this when the search is done)."""
+        if self.io is not None:
+            self.pool.give(self.owned)
+            self.io, self.buffers, self.owned = None, {}, []
+
     def reorder(self, rows: np.ndarray) -> None:
         """rows: (batch*beams,) new parent of each beam: the indirection, not the cache, follows the parents."""
         last = int(self.past_len[0]) - 1  # the position each row's own step wrote last
@@ -204,9 +238,16 @@ class SharedCacheDecoder:
             self.indirection[:, :, : last + 1], parents[:, :, None], axis=1)
 
     def keep(self, rows: np.ndarray) -> None:
-        """rows: (kept,) rows to go on with (greedy: beams is 1); every per-row array shrinks and is bound anew."""
-        self.buffers = {n: b[rows] for n, b in self.buffers.items()}
-        self.cross = {n: np.ascontiguousarray(c[rows]) for n, c in self.cross.items()}
-        self.mask = np.ascontiguousarray(self.mask[rows])
+        """rows: (kept,) rows to go on with, ascending (greedy: beams is 1); every per-row array is compacted in
+        place (the kept rows moved to its front, only the filled positions of the cache) and bound anew."""
+        k, filled = rows.shape[0], int(self.past_len[0])
+        for n, b in self.buffers.items():
+            b[:k, :, :filled] = b[rows, :, :filled]  # numpy gathers the right-hand side first
+            self.buffers[n] = b[:k]
+        for n, c in self.cross.items():
+            c[:k] = c[rows]
+            self.cross[n] = c[:k]
+        self.mask[:k] = self.mask[rows]
+        self.mask, self.logits = self.mask[:k], self.logits[:k]
         self.indirection = np.ascontiguousarray(self.indirection[rows])
-        self._bind(rows.shape[0])
+        self._bind(k)
