@@ -29,10 +29,18 @@ class TimedGraph:
     def __init__(self, graph):
         self.graph, self.ms, self.calls = graph, 0.0, 0
         self.name, self.input_names, self.output_names = graph.name, graph.input_names, graph.output_names
-        self.shared_cache = getattr(graph, "shared_cache", False)  # runtime.sharedkv's decoder reads these two
-        self.cross_per_input = getattr(graph, "cross_per_input", False)
         if hasattr(graph, "session"):
             self.session = TimedSession(graph.session, self)
+
+    def __getattr__(self, name):  # what else the runtime reads of a graph (a shared-cache graph's flags and pool)
+        return getattr(self.graph, name)
+
+    def run(self, feeds):
+        t0 = time.perf_counter()
+        out = self.graph.run(feeds)
+        self.ms += (time.perf_counter() - t0) * 1000
+        self.calls += 1
+        return out
 
 
 class TimedSession:
@@ -49,13 +57,6 @@ class TimedSession:
         self._session.run_with_iobinding(io, *args)
         self._timer.ms += (time.perf_counter() - t0) * 1000
         self._timer.calls += 1
-
-    def run(self, feeds):
-        t0 = time.perf_counter()
-        out = self.graph.run(feeds)
-        self.ms += (time.perf_counter() - t0) * 1000
-        self.calls += 1
-        return out
 
 
 class ProfiledGraph:
@@ -199,7 +200,7 @@ class Case:
         prof_dir.mkdir(parents=True, exist_ok=True)
         profiled = {g: ProfiledGraph(self.path / f"{stem}.onnx", self.threads, prof_dir / f"{self.name}-{g}")
                     for g, stem in (("first", "decoder_model"), ("past", "decoder_with_past_model"))}
-        if self.timed["past"].shared_cache:  # profile the graph the runtime runs: the rewrite, not the file
+        if getattr(self.timed["past"], "shared_cache", False):  # profile what the runtime runs: the rewrite
             from t5compress.runtime.sharedkv import open_shared
 
             prefix = prof_dir / f"{self.name}-past"
