@@ -204,7 +204,7 @@ class Case:
             from t5compress.runtime.sharedkv import open_shared
 
             prefix = prof_dir / f"{self.name}-past"
-            profiled["past"] = open_shared(self.path, self.threads, profiling(self.threads, prefix))
+            profiled["past"] = open_shared(self.path, profiling(self.threads, prefix))
         self.rt.backend = dataclasses.replace(self.rt.backend, decoder=profiled["first"],
                                               decoder_with_past=profiled["past"])
         self.generate()

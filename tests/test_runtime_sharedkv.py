@@ -11,8 +11,9 @@ import pytest
 from test_runtime import build_model, export_with, inputs
 
 from t5compress.names import DECODER_WITH_PAST
-from t5compress.runtime import load_runtime
-from t5compress.runtime.sharedkv import ENV, SharedCacheDecoder, SharedGraph, open_shared, rewrite
+from t5compress.runtime import load_runtime, session_options
+from t5compress.runtime.sharedkv import ENV, SharedCacheDecoder, SharedGraph, open_shared
+from t5compress.runtime.stepgraph import rewrite
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_rewritten_step_computes_the_stored_step(dirs, name):
     assert ops.count("DecoderMaskedMultiHeadAttention") == layers and "Concat" not in [
         n.op_type for n in model.graph.node if any(x.startswith("past_key_values.") for x in n.input)]
     stored = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    shared = SharedGraph(model.SerializeToString(), 1, dirs[name])
+    shared = SharedGraph(model.SerializeToString(), session_options(1), dirs[name])
     rng = np.random.default_rng(0)
     for rows, past in ((1, 1), (3, 4), (2, 9)):
         feeds = _step_feeds(stored, rows, past, 7, rng)
@@ -121,9 +122,9 @@ def test_graphs_the_rewrite_does_not_fit_run_as_stored(dirs, tmp_path, monkeypat
 
     inflight = tmp_path / "inflight"
     stage.run(dirs["relu"].parent / "relu", stage.ExportConfig(atol=1e-2, inflight=True), inflight)
-    assert open_shared(inflight, 1) is None  # the in-flight layout's masked cache
+    assert open_shared(inflight, session_options(1)) is None  # the in-flight layout's masked cache
     merged = tmp_path / "merged"
     stage.run(dirs["relu"].parent / "relu", stage.ExportConfig(atol=1e-2, decoders="merged"), merged)
     assert not isinstance(load_runtime(merged, threads=1).backend.decoder_with_past, SharedGraph)
     monkeypatch.setenv(ENV, "0")
-    assert open_shared(dirs["relu"], 1) is None
+    assert open_shared(dirs["relu"], session_options(1)) is None

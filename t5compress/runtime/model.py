@@ -18,7 +18,7 @@ from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
-from t5compress.runtime.sharedkv import SharedCacheDecoder, is_shared, with_shared_cache
+from t5compress.runtime.sharedkv import SharedCacheDecoder, is_shared
 from t5compress.runtime.steps import with_few_row_steps
 from t5compress.runtime.text import TOKENIZER_FILE, Encoded, encode_batch, input_limit, load_text_tokenizer
 
@@ -282,7 +282,7 @@ def load_runtime(
         rt = _graph_runtime(p, threads, providers, max_input_tokens, device, io_binding)
         rt.hugepage_bytes = hugepages.collapse_new(before)
         return rt
-    backend, placed = open_on_device(p, threads, providers, decoders, device)
+    backend, placed = open_on_device(p, threads, providers, decoders, device, shared_cache=not io_binding)
     if io_binding is None:  # on a GPU the cache would otherwise cross to the host and back every step
         io_binding = placed.startswith("cuda") and hasattr(backend.decoder, "session")
     if io_binding and not hasattr(backend.decoder, "session"):
@@ -290,7 +290,7 @@ def load_runtime(
                          f"{'merged' if backend.format == 'onnx' else 'TorchScript'} decoders; IO binding runs the "
                          "separate ONNX decoder graphs (--decoders separate)")
     if backend.format == "onnx" and placed == "cpu" and not io_binding:
-        backend = with_few_row_steps(with_shared_cache(backend, p, threads), p, threads)
+        backend = with_few_row_steps(backend, p, threads)
     tokens, defaults = read_generation_defaults(p)
     rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
     rt.device, rt.io_binding = placed, io_binding
@@ -314,10 +314,11 @@ def _graph_runtime(path: Path, threads: int, providers: Sequence[str] | None, ma
 
 
 def open_on_device(
-    path: Path, threads: int, providers: Sequence[str] | None, decoders: str, device: str
+    path: Path, threads: int, providers: Sequence[str] | None, decoders: str, device: str, shared_cache: bool = False
 ) -> tuple[Backend, str]:
     """The backend on `device` and the device it really runs on ('cpu' or 'cuda:N'): CUDA asked for and not started
-    is a one-line ModelError, never a silent CPU run (`auto` alone may fall back)."""
+    is a one-line ModelError, never a silent CPU run (`auto` alone may fall back). `shared_cache`: see
+    `sessions.open_onnx` (on the CPU only)."""
     from t5compress.runtime.device import check_session, describe, parse_device, providers_for
     from t5compress.runtime.sessions import detect_format
 
@@ -331,7 +332,7 @@ def open_on_device(
         providers = providers_for(wanted)
     else:
         wanted = parse_device(describe(providers))
-    backend = open_backend(path, threads, providers, decoders)
+    backend = open_backend(path, threads, providers, decoders, shared_cache)
     if backend.format != "onnx":
         return backend, "cpu"
     placed = check_session(backend.encoder.session, wanted, path)

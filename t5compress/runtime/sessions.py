@@ -302,19 +302,29 @@ def onnx_decoders(path: Path, decoders: str = "auto") -> str:
 
 
 def open_onnx(
-    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto"
+    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto",
+    shared_cache: bool = False,
 ) -> Backend:
+    """`shared_cache` (CPU only): decoder_with_past_model rewritten for a cache written in place where it fits
+    (`runtime.sharedkv`), else as stored."""
+
     def graph(name: str) -> OnnxGraph:
         return OnnxGraph(path / f"{name}{ONNX_SUFFIX}", threads, providers)
 
     if onnx_decoders(path, decoders) == "merged":
         merged = graph(DECODER_MERGED)  # one session: the decoder weights are in memory once
         return Backend("onnx", graph(ENCODER), MergedStep(merged, False), MergedStep(merged, True))
-    return Backend("onnx", graph(ENCODER), graph(DECODER), graph(DECODER_WITH_PAST))
+    past = None
+    if shared_cache and list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
+        from t5compress.runtime.sharedkv import open_shared
+
+        past = open_shared(path, session_options(threads))
+    return Backend("onnx", graph(ENCODER), graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 
 def open_torchscript(
-    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto"
+    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto",
+    shared_cache: bool = False,
 ) -> Backend:
     import torch
 
@@ -352,14 +362,16 @@ BACKENDS: dict[str, Callable[..., Backend]] = {"onnx": open_onnx, "torchscript":
 
 
 def open_backend(
-    path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto"
+    path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto",
+    shared_cache: bool = False,
 ) -> Backend:
     """Open the graphs of an ONNX or TorchScript export directory.
 
     Args:
         decoders: ONNX only: 'separate', 'merged', or 'auto' (the separate decoders when present, else the merged).
+        shared_cache: ONNX on the CPU only: the with-past step over a cache written in place (`runtime.sharedkv`).
     """
     p = Path(path)
     fmt = detect_format(p)
     log.info("opening %s export %s with %d thread(s)", fmt, p, threads)
-    return BACKENDS[fmt](p, threads, providers, decoders)
+    return BACKENDS[fmt](p, threads, providers, decoders, shared_cache)

@@ -34,23 +34,9 @@ MAX_BYTES = 1 << 30  # larger graphs are not loaded a second time for the rewrit
 ENV = "T5COMPRESS_SHARED_CACHE"  # 0: run with-past graphs as stored
 
 
-def with_shared_cache(backend, path: Path, threads: int):
-    """`backend` with its separate with-past graph rewritten for a shared cache (see `open_shared`); `backend`
-    itself where the rewrite does not apply."""
-    import dataclasses
-
-    from t5compress.runtime.sessions import OnnxGraph
-
-    if not isinstance(backend.decoder_with_past, OnnxGraph):  # merged decoders: run as stored
-        return backend
-    shared = open_shared(path, threads)
-    return backend if shared is None else dataclasses.replace(backend, decoder_with_past=shared)
-
-
-def open_shared(path: Path, threads: int, options=None):
-    """The dir's decoder_with_past_model as a `SharedGraph` on the CPU, or None where the rewrite does not apply
-    (see the module docstring; the reason is logged). `options`: ONNX Runtime session options (default: the
-    runtime's for `threads`)."""
+def open_shared(path: Path, options):
+    """The dir's decoder_with_past_model as a `SharedGraph` on the CPU with ONNX Runtime session `options`, or None
+    where the rewrite does not apply (see the module docstring; the reason is logged)."""
     import os
 
     file = path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}"
@@ -73,7 +59,9 @@ def open_shared(path: Path, threads: int, options=None):
     cross = per_input_cross(model)
     log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s", layers, file,
              "the cross-attention cache per input" if cross else "the cross-attention cache per beam")
-    return SharedGraph(model.SerializeToString(), threads, path, cross_per_input=cross > 0, options=options)
+    data = model.SerializeToString()
+    del model  # the weights are in memory twice until the session has its own copy, not three times
+    return SharedGraph(data, options, path, cross_per_input=cross > 0)
 
 
 class SharedGraph:
@@ -81,25 +69,22 @@ class SharedGraph:
 
     shared_cache = True
 
-    def __init__(self, model: bytes, threads: int, path: Path, cross_per_input: bool = False, options=None):
+    def __init__(self, model: bytes, options, path: Path, cross_per_input: bool = False):
         import onnxruntime as ort
-
-        from t5compress.runtime.sessions import session_options
 
         self.name, self.path = DECODER_WITH_PAST, path
         self.cross_per_input = cross_per_input  # fed one cross-attention cache and mask row per input, not per beam
         self.pool = BufferPool()
-        self.session = ort.InferenceSession(model, options or session_options(threads),
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         extra = (PAST_LEN, BEAM_WIDTH, INDIRECTION)
         self.input_names = tuple(i.name for i in self.session.get_inputs() if i.name not in extra)
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.past = {i.name: (i.shape[1], i.shape[3]) for i in self.session.get_inputs()
                      if i.name.startswith("past_key_values.") and ".decoder." in i.name}  # name -> (heads, d_kv)
 
-    def reopen(self, threads: int) -> SharedGraph:
-        """The same graph on a session of `threads` threads (rewritten again: the bytes are not kept)."""
-        return open_shared(self.path, threads)
+    def reopen(self, options) -> SharedGraph:
+        """The same graph on a session with other `options` (rewritten again: the bytes are not kept)."""
+        return open_shared(self.path, options)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A step of the stored layout: the cache (rows, heads, P, d_kv) in, the grown cache out."""

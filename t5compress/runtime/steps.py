@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from t5compress.names import DECODER_MASK, DECODER_WITH_PAST, ONNX_SUFFIX
-from t5compress.runtime.sessions import Backend, OnnxGraph, numpy_type
+from t5compress.runtime.sessions import Backend, OnnxGraph, numpy_type, session_options
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def with_few_row_steps(backend: Backend, path: Path, threads: int, margin: float
         return backend
     if pool.session.get_providers() != ["CPUExecutionProvider"]:
         return backend
-    single = reopen(1) if reopen else OnnxGraph(path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", 1)
+    single = reopen(session_options(1)) if reopen else OnnxGraph(path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", 1)
     try:
         many_s, few_s = step_times(pool, single)
     except Exception as e:  # onnxruntime raises its own types: a graph the made-up step does not fit keeps one session
