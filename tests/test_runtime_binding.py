@@ -147,7 +147,7 @@ def test_io_binding_is_on_by_default_where_the_graphs_run_on_cuda(export_dir, mo
     assert load_runtime(export_dir).io_binding is False  # the CPU: numpy cache (as fast, no binding overhead)
     assert load_runtime(export_dir, decoders="merged").io_binding is False
     opened = model.open_on_device
-    monkeypatch.setattr(model, "open_on_device", lambda *a: (opened(*a)[0], "cuda:0"))  # as if placed on a GPU
+    monkeypatch.setattr(model, "open_on_device", lambda *a, **k: (opened(*a, **k)[0], "cuda:0"))  # as if on a GPU
     assert load_runtime(export_dir).io_binding is True
     assert load_runtime(export_dir, io_binding=False).io_binding is False
     assert load_runtime(export_dir, decoders="merged").io_binding is False  # merged graphs: no binding path

@@ -12,7 +12,7 @@ from test_runtime import build_model, export_with, inputs
 
 from t5compress.names import DECODER_WITH_PAST
 from t5compress.runtime import load_runtime, session_options
-from t5compress.runtime.sharedkv import ENV, SharedCacheDecoder, SharedGraph, open_shared
+from t5compress.runtime.sharedkv import ENV, Rewritten, SharedCacheDecoder, SharedGraph, open_shared
 from t5compress.runtime.stepgraph import rewrite
 
 
@@ -63,7 +63,7 @@ def test_rewritten_step_computes_the_stored_step(dirs, name):
     assert ops.count("DecoderMaskedMultiHeadAttention") == layers and "Concat" not in [
         n.op_type for n in model.graph.node if any(x.startswith("past_key_values.") for x in n.input)]
     stored = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    shared = SharedGraph(model.SerializeToString(), session_options(1), dirs[name])
+    shared = SharedGraph(Rewritten.save(dirs[name], model, False), session_options(1))
     rng = np.random.default_rng(0)
     for rows, past in ((1, 1), (3, 4), (2, 9)):
         feeds = _step_feeds(stored, rows, past, 7, rng)

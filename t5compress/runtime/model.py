@@ -18,7 +18,7 @@ from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
-from t5compress.runtime.sharedkv import SharedCacheDecoder, is_shared
+from t5compress.runtime.sharedkv import SharedCacheDecoder, is_shared, rewritten
 from t5compress.runtime.steps import with_few_row_steps
 from t5compress.runtime.text import TOKENIZER_FILE, Encoded, encode_batch, input_limit, load_text_tokenizer
 
@@ -277,12 +277,16 @@ def load_runtime(
     p = Path(path)
     if search not in SEARCHES:
         raise ConfigError(f"--search {search!r}: choose one of {', '.join(SEARCHES)}")
+    # Rewritten before the memory regions are noted, and dropped before the new ones are collapsed (see
+    # runtime.sharedkv.Rewritten).
+    cpu = device == "cpu" and providers is None and not io_binding
+    shared = rewritten(p) if cpu and search != "graph" and decoders != "merged" else None
     before = hugepages.regions()  # the sessions' weights are what appears from here on
     if search == "graph":
         rt = _graph_runtime(p, threads, providers, max_input_tokens, device, io_binding)
         rt.hugepage_bytes = hugepages.collapse_new(before)
         return rt
-    backend, placed = open_on_device(p, threads, providers, decoders, device, shared_cache=not io_binding)
+    backend, placed = open_on_device(p, threads, providers, decoders, device, shared_cache=shared)
     if io_binding is None:  # on a GPU the cache would otherwise cross to the host and back every step
         io_binding = placed.startswith("cuda") and hasattr(backend.decoder, "session")
     if io_binding and not hasattr(backend.decoder, "session"):
@@ -294,6 +298,7 @@ def load_runtime(
     tokens, defaults = read_generation_defaults(p)
     rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
     rt.device, rt.io_binding = placed, io_binding
+    del shared
     rt.hugepage_bytes = hugepages.collapse_new(before) if placed == "cpu" else 0
     return rt
 
@@ -314,7 +319,7 @@ def _graph_runtime(path: Path, threads: int, providers: Sequence[str] | None, ma
 
 
 def open_on_device(
-    path: Path, threads: int, providers: Sequence[str] | None, decoders: str, device: str, shared_cache: bool = False
+    path: Path, threads: int, providers: Sequence[str] | None, decoders: str, device: str, shared_cache=None
 ) -> tuple[Backend, str]:
     """The backend on `device` and the device it really runs on ('cpu' or 'cuda:N'): CUDA asked for and not started
     is a one-line ModelError, never a silent CPU run (`auto` alone may fall back). `shared_cache`: see

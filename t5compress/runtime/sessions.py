@@ -302,11 +302,10 @@ def onnx_decoders(path: Path, decoders: str = "auto") -> str:
 
 
 def open_onnx(
-    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto",
-    shared_cache: bool = False,
+    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto", shared_cache=None,
 ) -> Backend:
-    """`shared_cache` (CPU only): decoder_with_past_model rewritten for a cache written in place where it fits
-    (`runtime.sharedkv`), else as stored."""
+    """`shared_cache` (CPU only): the dir's decoder_with_past_model as `runtime.sharedkv.rewritten` gave it, run over
+    a cache written in place; None: as stored."""
 
     def graph(name: str) -> OnnxGraph:
         return OnnxGraph(path / f"{name}{ONNX_SUFFIX}", threads, providers)
@@ -315,16 +314,15 @@ def open_onnx(
         merged = graph(DECODER_MERGED)  # one session: the decoder weights are in memory once
         return Backend("onnx", graph(ENCODER), MergedStep(merged, False), MergedStep(merged, True))
     past = None
-    if shared_cache and list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
-        from t5compress.runtime.sharedkv import open_shared
+    if shared_cache is not None and list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
+        from t5compress.runtime.sharedkv import SharedGraph
 
-        past = open_shared(path, session_options(threads))
+        past = SharedGraph(shared_cache, session_options(threads))
     return Backend("onnx", graph(ENCODER), graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 
 def open_torchscript(
-    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto",
-    shared_cache: bool = False,
+    path: Path, threads: int, providers: Sequence[str] | None = None, decoders: str = "auto", shared_cache=None,
 ) -> Backend:
     import torch
 
@@ -363,13 +361,14 @@ BACKENDS: dict[str, Callable[..., Backend]] = {"onnx": open_onnx, "torchscript":
 
 def open_backend(
     path: str | Path, threads: int = 1, providers: Sequence[str] | None = None, decoders: str = "auto",
-    shared_cache: bool = False,
+    shared_cache=None,
 ) -> Backend:
     """Open the graphs of an ONNX or TorchScript export directory.
 
     Args:
         decoders: ONNX only: 'separate', 'merged', or 'auto' (the separate decoders when present, else the merged).
-        shared_cache: ONNX on the CPU only: the with-past step over a cache written in place (`runtime.sharedkv`).
+        shared_cache: ONNX on the CPU only: `runtime.sharedkv.rewritten(path)`, the with-past step over a cache
+            written in place.
     """
     p = Path(path)
     fmt = detect_format(p)
