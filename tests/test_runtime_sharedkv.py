@@ -83,8 +83,12 @@ GEN = [dict(max_new_tokens=12), dict(max_new_tokens=10, min_new_tokens=6, repeti
 
 @pytest.mark.parametrize("name", ["pruned", "relu"])
 def test_runtime_on_the_shared_cache_gives_the_stored_graphs_tokens(dirs, name, monkeypatch):
+    import tempfile
+
     shared = load_runtime(dirs[name], threads=1)
     assert isinstance(shared.backend.decoder_with_past, SharedGraph)
+    for where in (Path(tempfile.gettempdir()), Path("/dev/shm")):  # the rewrite's file went at load
+        assert not list(where.glob("t5compress-sharedkv-*"))
     monkeypatch.setenv(ENV, "0")
     stored = load_runtime(dirs[name], threads=1)
     assert not isinstance(stored.backend.decoder_with_past, SharedGraph)

@@ -11,7 +11,8 @@ which the kernel writes each new key and value at `past_sequence_length`; beams 
 `cache_indirection` (batch, beams, max_len: the beam whose row holds each position), so a reorder is a small int32
 gather. Buffers are reused between calls (`BufferPool`): fresh ones page-fault every 4 KiB on every call.
 
-Needs the `onnx` package at load (the dir on disk keeps the layout optimum, Triton and the quantizer read); fp16
+Needs the `onnx` package and a temporary file at load (the dir on disk keeps the layout optimum, Triton and the
+quantizer read); fp16
 and in-flight graphs, exports whose attention is laid out otherwise (older ones, other tools'), and graphs over
 `MAX_BYTES` run as stored. The rewritten graph still runs a step of the stored layout (`SharedGraph.run`: the
 cache copied into a buffer one slot longer), so calibration and the one-thread step timing read it like any graph.
@@ -53,7 +54,9 @@ class Rewritten:
         import os
         import tempfile
 
-        fd, name = tempfile.mkstemp(prefix="t5compress-sharedkv-", suffix=ONNX_SUFFIX)
+        shm = Path("/dev/shm")  # memory-backed where Linux has it: writing flan-t5-small fp32's to disk took 0.7 s
+        where = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+        fd, name = tempfile.mkstemp(prefix="t5compress-sharedkv-", suffix=ONNX_SUFFIX, dir=where)
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
         done = cls(path, Path(name), cross_per_input)
@@ -90,7 +93,11 @@ def rewritten(path: Path) -> Rewritten | None:
     cross = per_input_cross(model)
     log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s", layers, file,
              "the cross-attention cache per input" if cross else "the cross-attention cache per beam")
-    return Rewritten.save(path, model, cross > 0)
+    try:
+        return Rewritten.save(path, model, cross > 0)
+    except OSError as e:  # no writable temporary directory
+        log.info("shared cache: %s not written to a temporary file (%s): run as stored", file, e)
+        return None
 
 
 def open_shared(path: Path, options) -> SharedGraph | None:
