@@ -132,3 +132,32 @@ def test_graphs_the_rewrite_does_not_fit_run_as_stored(dirs, tmp_path, monkeypat
     assert not isinstance(load_runtime(merged, threads=1).backend.decoder_with_past, SharedGraph)
     monkeypatch.setenv(ENV, "0")
     assert open_shared(dirs["relu"], session_options(1)) is None
+
+
+def test_a_full_dev_shm_falls_back_to_the_temporary_directory(dirs, monkeypatch):
+    """The rewrite's file goes to /dev/shm, and where that write fails (a container's 64 MB /dev/shm) to the
+    temporary directory; the file goes with the object."""
+    import gc
+    import os
+    import tempfile
+
+    import onnx
+
+    model = onnx.load(str(dirs["relu"] / f"{DECODER_WITH_PAST}.onnx"))
+    real, calls = os.fdopen, []
+
+    def full_once(fd, *args):
+        calls.append(fd)
+        if len(calls) == 1:
+            os.close(fd)
+            raise OSError(28, "No space left on device")
+        return real(fd, *args)
+
+    monkeypatch.setattr(os, "fdopen", full_once)
+    done = Rewritten.save(dirs["relu"], model, False)
+    monkeypatch.undo()
+    assert len(calls) == 2 and done.file.parent == Path(tempfile.gettempdir()) and done.file.stat().st_size > 0
+    file = done.file
+    del done
+    gc.collect()
+    assert not file.exists() and not list(Path("/dev/shm").glob("t5compress-sharedkv-*"))

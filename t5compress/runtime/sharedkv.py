@@ -54,11 +54,19 @@ class Rewritten:
         import os
         import tempfile
 
+        data = model.SerializeToString()
         shm = Path("/dev/shm")  # memory-backed where Linux has it: writing flan-t5-small fp32's to disk took 0.7 s
-        where = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-        fd, name = tempfile.mkstemp(prefix="t5compress-sharedkv-", suffix=ONNX_SUFFIX, dir=where)
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
+        places = [str(shm)] if shm.is_dir() and os.access(shm, os.W_OK) else []
+        for where in [*places, None]:  # a small /dev/shm (a container's 64 MB): the temporary directory
+            fd, name = tempfile.mkstemp(prefix="t5compress-sharedkv-", suffix=ONNX_SUFFIX, dir=where)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                break
+            except OSError:
+                Path(name).unlink(missing_ok=True)
+                if where is None:
+                    raise
         done = cls(path, Path(name), cross_per_input)
         weakref.finalize(done, Path(name).unlink, missing_ok=True)
         return done
