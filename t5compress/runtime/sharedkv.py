@@ -151,15 +151,14 @@ class SharedGraph:
 
 
 def is_shared(graph) -> bool:
-    """Whether `graph` (or both sessions of a row split) runs over a shared cache."""
-    return _flag(graph, "shared_cache")
+    """Whether `graph` (or a row split of two of them) runs over a shared cache."""
+    return bool(getattr(_owner(graph), "shared_cache", False))
 
 
-def _flag(graph, name: str) -> bool:
-    """A SharedGraph's flag, on the graph or on both sessions of a `runtime.steps.RowSplitGraph`."""
-    if hasattr(graph, "few"):
-        return bool(getattr(graph.few, name, False) and getattr(graph.many, name, False))
-    return bool(getattr(graph, name, False))
+def _owner(graph):
+    """The graph itself, or the pool session's graph of a `runtime.steps.RowSplitGraph` (whose one-thread session
+    `reopen` made from the same rewrite, so the two share flags)."""
+    return graph.many if hasattr(graph, "few") else graph
 
 
 class BufferPool:
@@ -207,8 +206,9 @@ class SharedCacheDecoder:
         self.buffers: dict[str, np.ndarray] = {}  # past name -> (rows, heads, max_length, d_kv)
         self.cross: dict[str, np.ndarray] = {}  # past name -> (rows or inputs, heads, enc_len, d_kv)
         self.past_len = np.zeros(1, np.int32)
-        self.per_input = _flag(self.graph, "cross_per_input")  # the cross-attention cache and mask: a row per input
-        self.pool = (self.graph.many if hasattr(self.graph, "few") else self.graph).pool
+        owner = _owner(self.graph)
+        self.per_input = owner.cross_per_input  # the cross-attention cache and the mask: a row per input
+        self.pool = owner.pool
         self.owned: list[np.ndarray] = []  # the pool's arrays this call holds (cache buffers, logits)
         self.io = None
 

@@ -16,8 +16,6 @@ export writes (`export.graphs` traced, `export.simplify` passed over, optionally
 
 from __future__ import annotations
 
-import numpy as np
-
 from t5compress.names import DECODER_MASK
 
 PAST_LEN, BEAM_WIDTH, INDIRECTION = "past_sequence_length", "beam_width", "cache_indirection"
@@ -43,7 +41,7 @@ def rewrite(model) -> int:
         return 0
     _add_inputs(g)
     dropped = {id(n) for layer in layers for n in layer["drop"]} | {id(n) for n, _, _ in shapes}
-    new_first = _shape_nodes(g, shapes)
+    new_first = _shape_nodes(g, graph.index, shapes)
     by_out = {id(layer["out"]): _attention(layer) for layer in layers}
     nodes = [by_out.get(id(n), n) for n in g.node if id(n) not in dropped or id(n) in by_out]
     del g.node[:]
@@ -164,25 +162,21 @@ def _add_inputs(g) -> None:
     ])
 
 
-def _shape_nodes(g, shapes: list) -> list:
+def _shape_nodes(g, index, shapes: list) -> list:
     """Nodes computing what each Shape of a cache tensor gave, from past_sequence_length: (rows, heads, P, d_kv)
     for the past, P + 1 for the grown cache. The Shape nodes' outputs keep their names."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    def const(name: str, values: list[int]):
-        g.initializer.append(numpy_helper.from_array(np.asarray(values, np.int64), name))
-        return name
+    from onnx import TensorProto, helper
 
     prefix = "/shared_cache"
     nodes = [helper.make_node("Shape", ["input_ids"], [f"{prefix}/rows"], start=0, end=1),
              helper.make_node("Cast", [PAST_LEN], [f"{prefix}/past"], to=TensorProto.INT64),
-             helper.make_node("Add", [f"{prefix}/past", const(f"{prefix}/one", [1])], [f"{prefix}/total"])]
+             helper.make_node("Add", [f"{prefix}/past", index.constant([1], prefix)], [f"{prefix}/total"])]
     for n, which, past_name in shapes:
         t = next(v for v in g.input if v.name == past_name)
         heads, d_kv = (t.type.tensor_type.shape.dim[i].dim_value for i in (1, 3))
         length = f"{prefix}/past" if which == "past" else f"{prefix}/total"
         name = n.output[0]
-        parts = [f"{prefix}/rows", const(f"{name}/heads", [heads]), length, const(f"{name}/d_kv", [d_kv])]
+        parts = [f"{prefix}/rows", index.constant([heads], name), length, index.constant([d_kv], name)]
         nodes.append(helper.make_node("Concat", parts, [name], axis=0))
     return nodes
 
