@@ -1,5 +1,6 @@
 """Small helpers over an `onnx.GraphProto`, shared by the passes that edit graphs: export's (`export.simplify`),
-quantize's and the runtime's (`runtime.sharedkv`). A leaf: it imports no other part of the package."""
+quantize's and the runtime's (`runtime.sharedkv`), and `weightless`, which takes a serialised model's weights out
+of the way of such a pass without parsing them. A leaf: it imports no other part of the package."""
 
 from __future__ import annotations
 
@@ -83,3 +84,80 @@ def drop_unused(graph: onnx.GraphProto) -> int:
     for t in unread:
         graph.initializer.remove(t)
     return before - len(graph.node)
+
+
+def weightless(data, location: str, min_bytes: int = 1024) -> bytes:
+    """A serialised ModelProto `data` (bytes, or a memoryview of a mapped file) re-encoded with every top-level
+    initializer of `min_bytes` or more of raw data turned into external data: the bytes stay where they are in
+    `data`, named by `location` and their offset (ONNX's external-data fields). A rewrite then parses a few hundred KB
+    instead of the whole graph, and ONNX Runtime reads the weights from `data` itself when it is handed over under
+    `location` (`SessionOptions.add_external_initializers_from_files_in_memory`). Works on the protobuf wire format,
+    so it needs neither onnx nor a parse of the weights; smaller initializers (shapes, axes) stay inline."""
+    out = []
+    for field, start, end, begin in _fields(data, 0, len(data)):
+        if field != 7:  # ModelProto.graph
+            out.append(bytes(data[begin:end]))
+            continue
+        graph, last = [], start
+        for inner, s, e, b in _fields(data, start, end):
+            raw = next((r for f, *r in _fields(data, s, e) if f == 9), None) if inner == 5 else None
+            if raw is None or raw[1] - raw[0] < min_bytes:  # not GraphProto.initializer, or no large raw_data
+                continue
+            graph.append(bytes(data[last:b]))
+            kept = [bytes(data[fb:fe]) for f, _, fe, fb in _fields(data, s, e) if f != 9]
+            refs = (("location", location), ("offset", str(raw[0])), ("length", str(raw[1] - raw[0])))
+            tensor = b"".join([*kept, *(_message(13, _message(1, k.encode()) + _message(2, v.encode()))
+                                        for k, v in refs), _varint(14 << 3), _varint(1)])  # data_location EXTERNAL
+            graph.append(_message(5, tensor))
+            last = e
+        graph.append(bytes(data[last:end]))
+        out.append(_message(7, b"".join(graph)))
+    return b"".join(out)
+
+
+def _fields(data, start: int, end: int):
+    """(field number, payload start, payload end, field start) of each field of the message in data[start:end]; the
+    payload of a length-delimited field is its bytes, of any other the field's own bytes."""
+    i = start
+    while i < end:
+        begin = i
+        key, i = _read_varint(data, i)
+        wire = key & 7
+        if wire == 2:
+            n, i = _read_varint(data, i)
+            yield key >> 3, i, i + n, begin
+            i += n
+            continue
+        if wire == 0:
+            _, i = _read_varint(data, i)
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"protobuf wire type {wire} at byte {begin}: not a serialised ONNX model")
+        yield key >> 3, begin, i, begin
+    if i != end:
+        raise ValueError(f"a protobuf field runs past its message at byte {end}: a truncated ONNX model")
+
+
+def _read_varint(data, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _message(field: int, payload: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload

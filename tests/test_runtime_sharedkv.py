@@ -12,7 +12,7 @@ from test_runtime import build_model, export_with, inputs
 
 from t5compress.names import DECODER_WITH_PAST
 from t5compress.runtime import load_runtime, session_options
-from t5compress.runtime.sharedkv import ENV, Rewritten, SharedCacheDecoder, SharedGraph, open_shared
+from t5compress.runtime.sharedkv import ENV, WEIGHTS, SharedCacheDecoder, SharedGraph, open_shared, rewritten
 from t5compress.runtime.stepgraph import rewrite
 
 
@@ -51,19 +51,23 @@ def _step_feeds(session, rows: int, past: int, enc: int, rng) -> dict[str, np.nd
 def test_rewritten_step_computes_the_stored_step(dirs, name):
     """One step at several cache lengths: logits and the grown cache as the stored graph gives them (within float
     rounding: the kernel sums in another order), the new key and value written in place at past_sequence_length,
-    and no Concat left on the cache."""
+    and no Concat left on the cache. The rewrite holds the graph without its weights, which are read from the
+    stored file, left as it was."""
     import onnx
     import onnxruntime as ort
 
     path = dirs[name] / f"{DECODER_WITH_PAST}.onnx"
-    model = onnx.load(str(path))
-    layers = len([i for i in model.graph.input if i.name.endswith(".decoder.key")])
-    assert rewrite(model) == layers
+    before = path.read_bytes()
+    layers = len([i for i in onnx.load(str(path)).graph.input if i.name.endswith(".decoder.key")])
+    done = rewritten(dirs[name])
+    assert done is not None and len(done.model) < len(before) / 3 and list(done.weights) == [WEIGHTS]
+    model = onnx.load_from_string(done.model)
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("DecoderMaskedMultiHeadAttention") == layers and "Concat" not in [
         n.op_type for n in model.graph.node if any(x.startswith("past_key_values.") for x in n.input)]
+    assert rewrite(onnx.load(str(path))) == layers  # the rewrite of a graph with its weights inline is the same
     stored = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    shared = SharedGraph(Rewritten.save(dirs[name], model, False), session_options(1))
+    shared = SharedGraph(done, session_options(1))
     rng = np.random.default_rng(0)
     for rows, past in ((1, 1), (3, 4), (2, 9)):
         feeds = _step_feeds(stored, rows, past, 7, rng)
@@ -74,6 +78,7 @@ def test_rewritten_step_computes_the_stored_step(dirs, name):
             np.testing.assert_allclose(got[n], w, atol=1e-4 * (1 + np.abs(w).max()), rtol=0, err_msg=n)
             if n.startswith("present."):
                 np.testing.assert_array_equal(got[n][:, :, :past], feeds[n.replace("present.", "past_key_values.")])
+    assert path.read_bytes() == before
 
 
 GEN = [dict(max_new_tokens=12), dict(max_new_tokens=10, min_new_tokens=6, repetition_penalty=1.3),
@@ -83,12 +88,8 @@ GEN = [dict(max_new_tokens=12), dict(max_new_tokens=10, min_new_tokens=6, repeti
 
 @pytest.mark.parametrize("name", ["pruned", "relu"])
 def test_runtime_on_the_shared_cache_gives_the_stored_graphs_tokens(dirs, name, monkeypatch):
-    import tempfile
-
     shared = load_runtime(dirs[name], threads=1)
     assert isinstance(shared.backend.decoder_with_past, SharedGraph)
-    for where in (Path(tempfile.gettempdir()), Path("/dev/shm")):  # the rewrite's file went at load
-        assert not list(where.glob("t5compress-sharedkv-*"))
     monkeypatch.setenv(ENV, "0")
     stored = load_runtime(dirs[name], threads=1)
     assert not isinstance(stored.backend.decoder_with_past, SharedGraph)
@@ -134,30 +135,31 @@ def test_graphs_the_rewrite_does_not_fit_run_as_stored(dirs, tmp_path, monkeypat
     assert open_shared(dirs["relu"], session_options(1)) is None
 
 
-def test_a_full_dev_shm_falls_back_to_the_temporary_directory(dirs, monkeypatch):
-    """The rewrite's file goes to /dev/shm, and where that write fails (a container's 64 MB /dev/shm) to the
-    temporary directory; the file goes with the object."""
-    import gc
-    import os
-    import tempfile
+def test_a_dir_with_external_data_and_a_damaged_one(dirs, tmp_path, caplog):
+    """A with-past graph whose weights are in an external data file (how exports over 2 GB are saved) is rewritten
+    too, its file handed over beside the graph's own bytes; a truncated graph runs as stored (opening it as stored
+    is what says it is damaged)."""
+    import shutil
 
     import onnx
 
-    model = onnx.load(str(dirs["relu"] / f"{DECODER_WITH_PAST}.onnx"))
-    real, calls = os.fdopen, []
+    external = tmp_path / "external"
+    shutil.copytree(dirs["relu"], external)
+    graph = external / f"{DECODER_WITH_PAST}.onnx"
+    onnx.save(onnx.load(str(graph)), str(graph), save_as_external_data=True, location="weights.bin",
+              size_threshold=512)
+    done = rewritten(external)
+    assert done is not None and set(done.weights) == {WEIGHTS, "weights.bin"}
+    ids, mask = inputs(3)
+    want = load_runtime(dirs["relu"], threads=1).generate(ids, mask, num_beams=3, max_new_tokens=8)
+    rt = load_runtime(external, threads=1)
+    assert isinstance(rt.backend.decoder_with_past, SharedGraph)
+    np.testing.assert_array_equal(rt.generate(ids, mask, num_beams=3, max_new_tokens=8), want)
 
-    def full_once(fd, *args):
-        calls.append(fd)
-        if len(calls) == 1:
-            os.close(fd)
-            raise OSError(28, "No space left on device")
-        return real(fd, *args)
-
-    monkeypatch.setattr(os, "fdopen", full_once)
-    done = Rewritten.save(dirs["relu"], model, False)
-    monkeypatch.undo()
-    assert len(calls) == 2 and done.file.parent == Path(tempfile.gettempdir()) and done.file.stat().st_size > 0
-    file = done.file
-    del done
-    gc.collect()
-    assert not file.exists() and not list(Path("/dev/shm").glob("t5compress-sharedkv-*"))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(dirs["relu"], damaged)
+    graph = damaged / f"{DECODER_WITH_PAST}.onnx"
+    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+    with caplog.at_level("INFO", logger="t5compress.runtime.sharedkv"):
+        assert rewritten(damaged) is None
+    assert "not rewritten" in caplog.text

@@ -11,8 +11,8 @@ which the kernel writes each new key and value at `past_sequence_length`; beams 
 `cache_indirection` (batch, beams, max_len: the beam whose row holds each position), so a reorder is a small int32
 gather. Buffers are reused between calls (`BufferPool`): fresh ones page-fault every 4 KiB on every call.
 
-Needs the `onnx` package and a temporary file at load (the dir on disk keeps the layout optimum, Triton and the
-quantizer read); fp16
+Needs the `onnx` package at load, for the graph alone: the weights are read by ONNX Runtime from the stored file,
+mapped into memory (see `Rewritten`; the dir on disk keeps the layout optimum, Triton and the quantizer read). fp16
 and in-flight graphs, exports whose attention is laid out otherwise (older ones, other tools'), and graphs over
 `MAX_BYTES` run as stored. The rewritten graph still runs a step of the stored layout (`SharedGraph.run`: the
 cache copied into a buffer one slot longer), so calibration and the one-thread step timing read it like any graph.
@@ -29,47 +29,40 @@ from pathlib import Path
 import numpy as np
 
 from t5compress.names import DECODER_WITH_PAST, ONNX_SUFFIX
+from t5compress.onnxgraph import weightless
 from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite
 
 log = logging.getLogger(__name__)
 
-MAX_BYTES = 1 << 30  # larger graphs are not loaded a second time for the rewrite (protobuf's limit is 2 GiB)
+MAX_BYTES = 1 << 30  # larger with-past graphs run as stored: the rewrite was never tried on one
 ENV = "T5COMPRESS_SHARED_CACHE"  # 0: run with-past graphs as stored
 
 
 @dataclass
 class Rewritten:
-    """A dir's with-past graph rewritten for the shared cache, in a temporary file (deleted with this object): what
-    `SharedGraph` opens sessions from. A file, not bytes: ONNX Runtime keeps a copy of a model it is given as bytes
-    for the session's lifetime (flan-t5-small fp32: 501 against 283 MB resident after loading its with-past graph).
-    `load_runtime` makes it before it notes the process's memory regions for huge pages and drops it once the
-    sessions are open."""
+    """A dir's with-past graph rewritten for the shared cache, what `SharedGraph` opens sessions from: the graph
+    without its weights (`onnxgraph.weightless`: a few hundred KB, its initializers naming their bytes in the
+    stored file by offset) and the stored file mapped read-only, handed to ONNX Runtime as an in-memory external
+    data file, which it copies from while it opens a session. Nothing is written anywhere, and the weights are
+    never parsed or serialised by the onnx package (flan-t5-small fp32: 0.8-1.0 s at load when they were, through a
+    temporary file). `load_runtime` makes it before it notes the process's memory regions for huge pages (a file
+    mapping is not one of them) and drops it once the sessions are open."""
 
     path: Path  # the export dir
-    file: Path  # the rewritten graph
+    model: bytes  # the rewritten graph, its large initializers external
+    weights: dict[str, object]  # external data location -> its bytes (mmap, or bytes)
     cross_per_input: bool
 
-    @classmethod
-    def save(cls, path: Path, model, cross_per_input: bool) -> Rewritten:
-        import os
-        import tempfile
+    def session(self, options):
+        import onnxruntime as ort
 
-        data = model.SerializeToString()
-        shm = Path("/dev/shm")  # memory-backed where Linux has it: writing flan-t5-small fp32's to disk took 0.7 s
-        places = [str(shm)] if shm.is_dir() and os.access(shm, os.W_OK) else []
-        for where in [*places, None]:  # a small /dev/shm (a container's 64 MB): the temporary directory
-            fd, name = tempfile.mkstemp(prefix="t5compress-sharedkv-", suffix=ONNX_SUFFIX, dir=where)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                break
-            except OSError:
-                Path(name).unlink(missing_ok=True)
-                if where is None:
-                    raise
-        done = cls(path, Path(name), cross_per_input)
-        weakref.finalize(done, Path(name).unlink, missing_ok=True)
-        return done
+        if self.weights:  # the location names are ours (WEIGHTS) or the dir's own external data files
+            names, data = list(self.weights), list(self.weights.values())
+            options.add_external_initializers_from_files_in_memory(names, data, [len(d) for d in data])
+        return ort.InferenceSession(self.model, options, providers=["CPUExecutionProvider"])
+
+
+WEIGHTS = "t5compress-sharedkv-weights"  # the stored file, as the rewritten graph's external data names it
 
 
 def rewritten(path: Path) -> Rewritten | None:
@@ -90,7 +83,9 @@ def rewritten(path: Path) -> Rewritten | None:
         log.info("shared cache: the onnx package is not installed: %s runs as stored", file)
         return None
     try:
-        model = onnx.load(str(file))
+        weights = {WEIGHTS: _mapped(file)}
+        model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
+        weights |= {loc: _mapped(_inside(path, loc)) for loc in _locations(model) - {WEIGHTS}}
         layers = rewrite(model)
     except Exception as e:  # a damaged or partial graph: opening it as stored says what is wrong, in one line
         log.info("shared cache: %s not rewritten (%s): run as stored", file, e)
@@ -101,11 +96,29 @@ def rewritten(path: Path) -> Rewritten | None:
     cross = per_input_cross(model)
     log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s", layers, file,
              "the cross-attention cache per input" if cross else "the cross-attention cache per beam")
-    try:
-        return Rewritten.save(path, model, cross > 0)
-    except OSError as e:  # no writable temporary directory
-        log.info("shared cache: %s not written to a temporary file (%s): run as stored", file, e)
-        return None
+    return Rewritten(path, model.SerializeToString(), weights, cross > 0)
+
+
+def _mapped(file: Path):
+    """The file's bytes, mapped read-only (an empty file, which cannot be mapped: empty bytes)."""
+    import mmap
+
+    with open(file, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""
+
+
+def _locations(model) -> set[str]:
+    """The external data files the graph's initializers name."""
+    return {e.value for t in model.graph.initializer if t.data_location == t.EXTERNAL
+            for e in t.external_data if e.key == "location"}
+
+
+def _inside(path: Path, location: str) -> Path:
+    """An external data file of the dir; a location outside it (absolute, or through ..) is refused."""
+    file = (path / location).resolve()
+    if Path(location).is_absolute() or not file.is_relative_to(path.resolve()) or not file.is_file():
+        raise ValueError(f"external data {location!r} is not a file inside {path}")
+    return file
 
 
 def open_shared(path: Path, options) -> SharedGraph | None:
@@ -120,12 +133,10 @@ class SharedGraph:
     shared_cache = True
 
     def __init__(self, done: Rewritten, options):
-        import onnxruntime as ort
-
         self.name, self.path = DECODER_WITH_PAST, done.path
         self.cross_per_input = done.cross_per_input  # fed one cross-attention cache and mask row per input
         self.pool = BufferPool()
-        self.session = ort.InferenceSession(str(done.file), options, providers=["CPUExecutionProvider"])
+        self.session = done.session(options)
         self._done = weakref.ref(done)  # alive while `load_runtime` holds it: `reopen` needs no second rewrite
         extra = (PAST_LEN, BEAM_WIDTH, INDIRECTION)
         self.input_names = tuple(i.name for i in self.session.get_inputs() if i.name not in extra)
