@@ -64,6 +64,39 @@ def test_static_int8_stays_within_one_percent_of_fp32_and_shrinks(static_dir, sk
     assert json.loads((static_dir / "t5compress.json").read_text())["stage"] == "quantize"
 
 
+def test_the_runtime_gathers_the_tied_int8_table_by_row(static_dir, skilled, monkeypatch):
+    """The runtime's with-past step (runtime.sharedkv) reads the shared table's rows from a transposed copy instead
+    of gathering its columns, and computes bit for bit what the column lookup did."""
+    import t5compress.runtime.sharedkv as sharedkv
+
+    done = sharedkv.rewritten(static_dir)
+    graph = onnx.load_from_string(done.model).graph
+    lookups = [n for n in graph.node if n.op_type == "Gather" and "embed_tokens" in n.name]
+    assert lookups and all(n.input[0].endswith("/rows") and n.attribute[0].i == 0 for n in lookups)
+    rows = {t.name: t.dims for t in graph.initializer if t.name.endswith("/rows")}
+    assert list(rows.values()) == [[256, 128]]  # (vocab, d_model): the (d_model, vocab) table transposed
+    by_row = load_runtime(static_dir, threads=1)
+    monkeypatch.setattr(sharedkv, "row_lookups", lambda model, value: {})
+    by_column = load_runtime(static_dir, threads=1)
+    transposes = [Counter(n.op_type for n in onnx.load_from_string(m).graph.node)["Transpose"]
+                  for m in (done.model, sharedkv.rewritten(static_dir).model)]
+    assert transposes[1] - transposes[0] == len(lookups)
+    past = by_row.backend.decoder_with_past
+    assert sharedkv.is_shared(past) and sharedkv.is_shared(by_column.backend.decoder_with_past)
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 256, (3, 1)), "encoder_attention_mask": np.ones((3, 5), np.int64)}
+    for i in past.session.get_inputs():
+        if i.name.startswith("past_key_values."):
+            length = 4 if ".decoder." in i.name else 5
+            feeds[i.name] = rng.standard_normal((3, i.shape[1], length, i.shape[3])).astype(np.float32)
+    want = by_column.backend.decoder_with_past.run(feeds)
+    for name, got in past.run(feeds).items():
+        np.testing.assert_array_equal(got, want[name], err_msg=name)
+    texts = [json.loads(line)["source"] for line in (skilled / "data" / "eval.jsonl").read_text().splitlines()[:8]]
+    for gen in ({}, {"num_beams": 4}):
+        assert by_row.generate_text(texts, **gen) == by_column.generate_text(texts, **gen)
+
+
 def test_dynamic_int8_and_static_matches_or_beats_it(static_dir, skilled, tmp_path):
     out = tmp_path / "dyn"
     r = run(skilled / "onnx", QuantizeConfig(mode="dynamic", eval_data=str(skilled / "data" / "eval.jsonl")), out,

@@ -30,7 +30,7 @@ import numpy as np
 
 from t5compress.names import DECODER_WITH_PAST, ONNX_SUFFIX
 from t5compress.onnxgraph import weightless
-from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite
+from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite, row_lookups
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,45 @@ def rewritten(path: Path) -> Rewritten | None:
         log.info("shared cache: %s does not have the exported self-attention pattern: run as stored", file)
         return None
     cross = per_input_cross(model)
-    log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s", layers, file,
-             "the cross-attention cache per input" if cross else "the cross-attention cache per beam")
+    tables = row_lookups(model, lambda t: _array(t, weights))
+    weights |= _attach(model, tables)
+    log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s%s", layers, file,
+             "the cross-attention cache per input" if cross else "the cross-attention cache per beam",
+             f", {len(tables)} lookup tables by row" if tables else "")
     return Rewritten(path, model.SerializeToString(), weights, cross > 0)
+
+
+def _array(tensor, weights: dict) -> np.ndarray:
+    """An initializer's value, read where its bytes are (inline, or in one of `weights`' files)."""
+    from onnx import helper, numpy_helper
+
+    if tensor.data_location != tensor.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    where = {e.key: e.value for e in tensor.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    data = np.frombuffer(weights[where["location"]], dtype, count, int(where.get("offset", 0)))
+    return data.reshape(tuple(tensor.dims))
+
+
+def _attach(model, arrays: dict) -> dict:
+    """Add `arrays` to the model as initializers whose bytes are in-memory files of their own; returns those files
+    by name (for `Rewritten.weights`), so that the serialised graph stays small."""
+    from onnx import helper
+
+    files = {}
+    for i, (name, a) in enumerate(arrays.items()):
+        a = np.ascontiguousarray(a)
+        t = model.graph.initializer.add()
+        t.name, t.data_type = name, helper.np_dtype_to_tensor_dtype(a.dtype)
+        t.dims.extend(a.shape)
+        location = f"{WEIGHTS}-added-{i}"
+        for key, v in (("location", location), ("offset", "0"), ("length", str(a.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, v
+        t.data_location = t.EXTERNAL
+        files[location] = a.reshape(-1).view(np.uint8)
+    return files
 
 
 def _mapped(file: Path):
