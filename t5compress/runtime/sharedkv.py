@@ -50,7 +50,7 @@ class Rewritten:
 
     path: Path  # the export dir
     model: bytes  # the rewritten graph, its large initializers external
-    weights: dict[str, object]  # external data location -> its bytes (mmap, or bytes)
+    weights: dict[str, object]  # external data location -> its bytes (a file mapped, or an array made here)
     cross_per_input: bool
 
     def session(self, options):
@@ -87,15 +87,15 @@ def rewritten(path: Path) -> Rewritten | None:
         model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
         weights |= {loc: _mapped(_inside(path, loc)) for loc in _locations(model) - {WEIGHTS}}
         layers = rewrite(model)
+        cross = per_input_cross(model) if layers else 0
+        tables = row_lookups(model, lambda t: _array(t, weights)) if layers else {}
+        weights |= _attach(model, tables)
     except Exception as e:  # a damaged or partial graph: opening it as stored says what is wrong, in one line
         log.info("shared cache: %s not rewritten (%s): run as stored", file, e)
         return None
     if not layers:
         log.info("shared cache: %s does not have the exported self-attention pattern: run as stored", file)
         return None
-    cross = per_input_cross(model)
-    tables = row_lookups(model, lambda t: _array(t, weights))
-    weights |= _attach(model, tables)
     log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s%s", layers, file,
              "the cross-attention cache per input" if cross else "the cross-attention cache per beam",
              f", {len(tables)} lookup tables by row" if tables else "")
