@@ -149,6 +149,40 @@ def test_a_variant_that_crashes_becomes_an_error_entry(tiny_variants, tmp_path):
     assert "broken: worker exited" in (out / "report.md").read_text()
 
 
+def test_a_worker_killed_by_a_signal_is_run_once_more(tiny_variants, tmp_path, monkeypatch):
+    """OpenVINO's worker is killed by SIGSEGV now and then (docs/benchmarks.md): a worker killed by a signal runs
+    once more and the report says so; killed twice, the variant is an error entry. Real workers run; what changes is
+    the exit `_spawn` reports for the runs listed in `killed`."""
+    import signal
+
+    from t5compress.bench import stage
+
+    real, calls, killed = stage._spawn, [], {1}
+    def spawn(*args, **kwargs):
+        calls.append(args[3])
+        rc, timed_out, result = real(*args, **kwargs)
+        return (-int(signal.SIGSEGV), False, None) if len(calls) in killed else (rc, timed_out, result)
+
+    monkeypatch.setattr(stage, "_spawn", spawn)
+    grid = ["--batch-sizes", "1", "--beams", "1", "--input-tokens", "8", "--output-tokens", "4", "--repeats", "1",
+            "--no-plots"]
+    out = tmp_path / "once"
+    result = runner.invoke(app, ["bench", f"onnx={tiny_variants['onnx']}", "--out", str(out), *grid])
+    assert result.exit_code == 0, result.output
+    e = _entries(json.loads((out / "bench.json").read_text()))["onnx"]
+    assert calls == ["onnx", "onnx"] and "error" not in e and e["cells"][0]["new_tokens_min"] == 4
+    assert e["retried"].startswith("the first worker was killed by SIGSEGV")
+    assert (out / "logs" / "onnx.crash.log").is_file() and (out / "logs" / "onnx.log").is_file()
+    assert "## Measured on a second try" in (out / "report.md").read_text()
+
+    calls.clear()
+    killed = {1, 2}
+    out = tmp_path / "twice"
+    result = runner.invoke(app, ["bench", f"onnx={tiny_variants['onnx']}", "--out", str(out), *grid])
+    e = _entries(json.loads((out / "bench.json").read_text()))["onnx"]
+    assert calls == ["onnx", "onnx"] and e["error"].startswith("worker killed by SIGSEGV") and "retried" not in e
+
+
 @pytest.mark.slow  # ~35 s: optimum's exporter and CTranslate2's converter run, then both are measured
 def test_peers_optimum_and_ctranslate2_on_the_same_grid(tiny_variants, tmp_path):
     out = tmp_path / "out"

@@ -287,6 +287,9 @@ def _peers(r: dict) -> list[str]:
     errors = [x for x in r["entries"] if "error" in x]
     if errors:
         lines += ["## Failed", ""] + [f"- {x['name']}: {x['error']}" for x in errors] + [""]
+    retried = [x for x in r["entries"] if "retried" in x]
+    if retried:
+        lines += ["## Measured on a second try", ""] + [f"- {x['name']}: {x['retried']}" for x in retried] + [""]
     return lines
 
 

@@ -185,10 +185,20 @@ def measure(v: Variant, cfg: BenchConfig, inputs: Inputs, tmp: Path, progress: b
             if e.get("event") == "progress":
                 bar.update(done=e["done"], what=f"{v.name}: {e.get('what', '')}")
 
-        rc, timed_out, result = _spawn(v.python or sys.executable, ["measure", str(job_file)], tmp, v.name,
-                                       cfg.timeout_s, on_event)
+        retried = None
+        for attempt in range(2):  # a worker killed by a signal is run once more (OpenVINO's crashes now and then)
+            rc, timed_out, result = _spawn(v.python or sys.executable, ["measure", str(job_file)], tmp, v.name,
+                                           cfg.timeout_s, on_event)
+            if attempt or timed_out or rc >= 0 or result is not None:
+                break
+            log_file = tmp / "logs" / f"{v.name}.log"
+            retried = (f"the first worker was killed by {signal.Signals(-rc).name} ({_last_error(log_file)}; its "
+                       f"log: logs/{v.name}.crash.log); this is the second's result")
+            log_file.replace(log_file.with_suffix(".crash.log"))
         bar.update(done=total)
     job_file.unlink()
+    if retried is not None and result is not None:
+        result["retried"] = retried
     if vmap is not None:
         data.unlink(missing_ok=True)
         if result is not None:
