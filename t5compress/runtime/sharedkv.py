@@ -56,7 +56,7 @@ class Rewritten:
     def session(self, options):
         import onnxruntime as ort
 
-        if self.weights:  # the location names are ours (WEIGHTS) or the dir's own external data files
+        if self.weights:  # the stored file (WEIGHTS), arrays made at load, and the dir's own external data files
             names, data = list(self.weights), list(self.weights.values())
             options.add_external_initializers_from_files_in_memory(names, data, [len(d) for d in data])
         return ort.InferenceSession(self.model, options, providers=["CPUExecutionProvider"])
