@@ -19,6 +19,8 @@ step count, all from the same trained model, scored on the same held-out sentenc
   iter2-lr1e-3    iter2 at d256's default rate; iter3-lr1e-3: three steps, a third of the recovery steps each
   kd-layers-a0.9-lr1e-3  kd-layers-lr1e-3 with the KL term weighted 0.9 (cross-entropy 0.1) at temperature 1
   kd-layers-h4-lr1e-3    kd-layers-lr1e-3 with the layer-wise term weighted 4
+  control-M       not pruned: the unpruned model given method M's recovery (e.g. control-kd-layers), the yardstick
+                  for a pruned row when the base may still be under-trained
   seqkd-lr1e-3    kd-layers-lr1e-3 on the unpruned model's greedy outputs as targets (sequence-level KD, Kim & Rush
                   2016); seqkd-mix-lr1e-3: on those and the references together
 
@@ -92,9 +94,17 @@ def train_base(out: Path, train: Path, test: Path, args) -> Path:
         cfg = training.FinetuneConfig(
             train_data=str(train), eval_data=str(test), data=DataConfig(max_source_length=48, max_target_length=48),
             train=TrainConfig(max_steps=args.train_steps, batch_size=32, lr=args.train_lr, metric="loss",
-                              eval_every=args.train_steps, eval_max_examples=args.eval_examples, seed=args.seed))
+                              eval_every=args.train_steps // args.train_evals, eval_max_examples=args.eval_examples,
+                              seed=args.seed))
         training.run(str(out / "init"), cfg, out / "base", progress=False)
     return out / "base"
+
+
+def base_curve(base: Path) -> list[dict]:
+    """The base model's held-out evaluations during its training (one per --train-evals), to show how far it got."""
+    report = json.loads((base / "report.json").read_text())
+    keep = ("step", "loss", "rougeL", "exact_match")
+    return [{k: e[k] for k in keep if k in e} for e in report.get("train", {}).get("history", [])]
 
 
 def teacher_data(base: Path, train: Path, targets: str) -> Path:
@@ -182,6 +192,22 @@ def iterative(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: di
     return {"pruned": per_step[0]["pruned"], "after": final, "steps": per_step, "model": r["model"]}
 
 
+def control(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: dict, args) -> dict:
+    """The unpruned model given the same recovery (distilling from itself): what the training alone is worth, so a
+    pruned row is not credited with what more steps on an under-trained base would have won anyway."""
+    from t5compress.data import DataConfig, load_examples
+    from t5compress.model.load import load_model, load_tokenizer
+    from t5compress.prune.measure import measure_eval
+    from t5compress.prune.recover import run as recover
+
+    r = recover(str(base), dataclasses.replace(recover_cfg(train, steps, kw, args.seed), teacher=str(base)), dst,
+                force=True, progress=False)
+    ex = load_examples(test, DataConfig())[: args.eval_examples]
+    final = measure_eval(load_model(dst), load_tokenizer(dst), ex, DataConfig(max_source_length=48,
+                                                                              max_target_length=48))
+    return {"after": final, "model": r["model"]}
+
+
 def table(rows: list[dict], before: dict, ratio: float) -> list[str]:
     md = ["| ratio | method | recovery steps | ROUGE-L | exact match | loss | ROUGE-L drop vs unpruned | "
           "seconds | run |", "|---|---|---|---|---|---|---|---|---|",
@@ -226,6 +252,8 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--train-steps", type=int, default=1500)
     ap.add_argument("--train-lr", type=float, default=2e-3)
+    ap.add_argument("--train-evals", type=int, default=1,
+                    help="held-out evaluations during the base model's training (its curve goes in the results)")
     ap.add_argument("--ratio", type=float, default=0.5, help="share of heads and of FFN channels removed")
     ap.add_argument("--steps", default="300", help="recovery step counts, comma-separated")
     ap.add_argument("--methods", default=",".join(METHODS), help="recovery methods, comma-separated")
@@ -259,10 +287,13 @@ def main() -> None:
     before = first["before"]
     rows = [{"method": "none", "steps": 0, "after": first["after"], "seconds": round(time.perf_counter() - t, 1)}]
     for method, steps in runs:
-        kw, n = METHODS[method]
+        kw, n = METHODS.get(method, ({}, 1))
         t = time.perf_counter()
         dst = out / f"{method}-{steps}"
-        r = (iterative(base, train, test, dst, steps, kw, n, args) if n > 1
+        if method.startswith("control-"):
+            kw, n = METHODS[method.removeprefix("control-")]
+        r = (control(base, train, test, dst, steps, kw, args) if method.startswith("control-")
+             else iterative(base, train, test, dst, steps, kw, n, args) if n > 1
              else one_shot(base, train, test, dst, steps, kw, args))
         rows.append({"method": method, "steps": steps, "after": r["after"], "per_step": r.get("steps"),
                      "seconds": round(time.perf_counter() - t, 1)})
@@ -273,7 +304,8 @@ def main() -> None:
         r["drop_pct"] = round(100 * (before["rougeL"] - r["after"]["rougeL"]) / before["rougeL"], 2)
     md = table(rows, before, args.ratio)
     summary = {"setup": vars(args) | {"out": str(out)}, "task": "restore order (stdlib docstring sentences)",
-               "unpruned": {k: v for k, v in before.items() if k != "samples"}, "pruned_model": first["model"],
+               "unpruned": {k: v for k, v in before.items() if k != "samples"}, "base_curve": base_curve(base),
+               "pruned_model": first["model"],
                "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
     write(summary, md, out, args.name)
 
