@@ -20,6 +20,8 @@ from t5compress.train.loop import TrainConfig as T
 
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted recovery from its checkpoint.")]
 Teacher = Annotated[str | None, typer.Option("--teacher", help=_h(R, "teacher"))]
+STEPS_HELP = ("Recovery optimizer steps; a well-trained model may need several times more (the run warns when its "
+              "held-out loss was still falling at the end).")
 
 
 def _option(name: str, kind: type, default, help_: str, flag: str | None = None) -> inspect.Parameter:
@@ -63,7 +65,7 @@ def prune(
     calib_data: Annotated[str | None, typer.Option("--calib-data", help=_h(P, "calib_data"))] = None,
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(P, "eval_data"))] = None,
     recover_data: Annotated[str | None, typer.Option(help="Recovery data; recovery runs when given.")] = None,
-    recover_steps: Annotated[int, typer.Option(help="Recovery optimizer steps.")] = RECOVER_STEPS,
+    recover_steps: Annotated[int, typer.Option(help=STEPS_HELP)] = RECOVER_STEPS,
     resume: Resume = False,
     force: Force = False,
     **opts,
@@ -85,7 +87,7 @@ def recover(
     out: OutDir,
     data: Annotated[str, typer.Option("--data", help=_h(R, "data"))],
     eval_data: Annotated[str | None, typer.Option("--eval", help=_h(R, "eval_data"))] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Recovery optimizer steps.")] = RECOVER_STEPS,
+    steps: Annotated[int, typer.Option("--steps", help=STEPS_HELP)] = RECOVER_STEPS,
     teacher: Teacher = None,
     resume: Resume = False,
     force: Force = False,
