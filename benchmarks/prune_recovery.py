@@ -28,6 +28,9 @@ step count, all from the same trained model, scored on the same held-out sentenc
     .venv/bin/python benchmarks/prune_recovery.py --out runs/prune-recovery --methods kd-layers-lr --steps 600 \
         --name more            # reuses OUT's trained model
     .venv/bin/python benchmarks/prune_recovery.py --merge runs/prune-recovery/prune_recovery.json,...
+    .venv/bin/python benchmarks/prune_recovery.py --out runs/pr256 --d-model 256 --train-steps 8000 --train-lr 1e-3 \
+        --train-evals 8 --methods kd-layers --steps 2400,4800 --long control-kd-layers:2400 \
+        --name prune_recovery_d256_converged   # the trained base of docs/prune.md (~32 min, then ~9 min per 2,400)
 
 Training the base model takes ~9 min on 2 cores (once: OUT/base is reused), each row 1-4 min (more on a busy
 machine; iter2 evaluates after every step). Writes OUT/NAME.json and .md and copies them to benchmarks/results/.
