@@ -290,11 +290,9 @@ def main() -> None:
     before = first["before"]
     rows = [{"method": "none", "steps": 0, "after": first["after"], "seconds": round(time.perf_counter() - t, 1)}]
     for method, steps in runs:
-        kw, n = METHODS.get(method, ({}, 1))
+        kw, n = METHODS[method.removeprefix("control-")]
         t = time.perf_counter()
         dst = out / f"{method}-{steps}"
-        if method.startswith("control-"):
-            kw, n = METHODS[method.removeprefix("control-")]
         r = (control(base, train, test, dst, steps, kw, args) if method.startswith("control-")
              else iterative(base, train, test, dst, steps, kw, n, args) if n > 1
              else one_shot(base, train, test, dst, steps, kw, args))
