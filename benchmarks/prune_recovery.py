@@ -173,7 +173,6 @@ def one_shot(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: dic
 def iterative(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: dict, n: int, args) -> dict:
     """n pruning steps to the same final size, each followed by steps/n of recovery from the unpruned teacher."""
     from t5compress.prune import run
-    from t5compress.prune.measure import measure_eval
     from t5compress.prune.recover import run as recover
 
     src, kept, per_step = base, 1.0, []
@@ -185,12 +184,7 @@ def iterative(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: di
         r = recover(str(dst / f"p{k}"), rec, dst / f"r{k}", force=True, progress=False)
         per_step.append({"ratio": round(ratio, 4), "pruned": p["after_pruning"]["eval"], "after": None})
         src, kept = dst / f"r{k}", want
-    from t5compress.data import DataConfig, load_examples
-    from t5compress.model.load import load_model, load_tokenizer
-
-    ex = load_examples(test, DataConfig())[: args.eval_examples]
-    final = measure_eval(load_model(src), load_tokenizer(src), ex, DataConfig(max_source_length=48,
-                                                                              max_target_length=48))
+    final = held_out(src, test, args)
     per_step[-1]["after"] = final
     return {"pruned": per_step[0]["pruned"], "after": final, "steps": per_step, "model": r["model"]}
 
@@ -198,17 +192,22 @@ def iterative(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: di
 def control(base: Path, train: Path, test: Path, dst: Path, steps: int, kw: dict, args) -> dict:
     """The unpruned model given the same recovery (distilling from itself): what the training alone is worth, so a
     pruned row is not credited with what more steps on an under-trained base would have won anyway."""
-    from t5compress.data import DataConfig, load_examples
-    from t5compress.model.load import load_model, load_tokenizer
-    from t5compress.prune.measure import measure_eval
     from t5compress.prune.recover import run as recover
 
     r = recover(str(base), dataclasses.replace(recover_cfg(train, steps, kw, args.seed), teacher=str(base)), dst,
                 force=True, progress=False)
+    return {"after": held_out(dst, test, args), "model": r["model"]}
+
+
+def held_out(model_dir: Path, test: Path, args) -> dict:
+    """The model dir's metrics on the held-out sentences every row is scored on."""
+    from t5compress.data import DataConfig, load_examples
+    from t5compress.model.load import load_model, load_tokenizer
+    from t5compress.prune.measure import measure_eval
+
     ex = load_examples(test, DataConfig())[: args.eval_examples]
-    final = measure_eval(load_model(dst), load_tokenizer(dst), ex, DataConfig(max_source_length=48,
-                                                                              max_target_length=48))
-    return {"after": final, "model": r["model"]}
+    return measure_eval(load_model(model_dir), load_tokenizer(model_dir), ex,
+                        DataConfig(max_source_length=48, max_target_length=48))
 
 
 def table(rows: list[dict], before: dict, ratio: float) -> list[str]:
