@@ -14,6 +14,7 @@ later allocation too (each step's cache tensors): on top of this, 1.04x at b8 be
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import sys
 from pathlib import Path
@@ -68,4 +69,17 @@ def collapse_new(before: set[tuple[int, int]]) -> int:
         libc.madvise(lo, hi - lo, MADV_HUGEPAGE)  # also lets the kernel keep them huge if it moves them
         if libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
             done += hi - lo
+        else:  # one page the kernel could not collapse fails the whole call: take the rest page by page
+            done += sum(HUGE for page in range(lo, hi, HUGE) if _collapse_page(libc, page))
     return done
+
+
+def _collapse_page(libc, page: int, tries: int = 3) -> bool:
+    """MADV_COLLAPSE on one huge page, tried again while the kernel answers EAGAIN (a page briefly locked or
+    referenced, e.g. by another thread's fault: the CI run that failed once on this)."""
+    for _ in range(tries):
+        if libc.madvise(page, HUGE, MADV_COLLAPSE) == 0:
+            return True
+        if ctypes.get_errno() != errno.EAGAIN:
+            return False
+    return False
