@@ -14,9 +14,9 @@ step count, all from the same trained model, scored on the same held-out sentenc
   kd-lr2e-3       kd at lr 2e-3 (kd-lr4e-3: at 4e-3)
   kd-layers       kd + every block's output matched to the teacher's (layer-wise distillation), lr 5e-4
   kd-layers-lr    kd-layers at lr 2e-3: the default of `prune --recover-data` and `recover` up to d_model 128
-  kd-layers-lr1e-3  kd-layers at lr 1e-3: the default at d_model 256 (2e-3 x 128 / d_model)
+  kd-layers-lr1e-3  kd-layers at lr 1e-3: the old default at d_model 256 (at 256 the default is now kd-layers)
   iter2           two pruning steps (25% then to 50%), each followed by half the recovery steps (kd-layers-lr)
-  iter2-lr1e-3    iter2 at d256's default rate; iter3-lr1e-3: three steps, a third of the recovery steps each
+  iter2-lr1e-3    iter2 at d256's old default rate; iter3-lr1e-3: three steps, a third of the recovery steps each
   kd-layers-a0.9-lr1e-3  kd-layers-lr1e-3 with the KL term weighted 0.9 (cross-entropy 0.1) at temperature 1
   kd-layers-h4-lr1e-3    kd-layers-lr1e-3 with the layer-wise term weighted 4
   control-M       not pruned: the unpruned model given method M's recovery (e.g. control-kd-layers), the yardstick

@@ -256,7 +256,8 @@ def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
 
 def test_recovery_lr_falls_with_width_unless_given():
     rec = RecoverConfig(data="x.jsonl")
-    assert [recovery_lr(rec, d) for d in (64, 128, 256, 512)] == [2e-3, 2e-3, 1e-3, 5e-4]
+    assert [recovery_lr(rec, d) for d in (64, 128, 256, 512)] == [2e-3, 2e-3, 5e-4, 1.25e-4]
+    assert rec.train.max_steps == 4800 and rec.train.eval_every == 400  # the run that closed the gap at d256
     given = RecoverConfig(data="x.jsonl", train=TrainConfig(max_steps=9, lr=3e-4), lr_per_width=False)
     assert recovery_lr(given, 512) == recovery_lr(given, 64) == 3e-4
 

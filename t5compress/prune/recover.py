@@ -5,11 +5,11 @@
 Also called by the `prune` stage (`PruneConfig.recover`), with the in-memory unpruned model as the teacher. Like
 `train`, an interrupted run resumes from the checkpoints in `OUT.partial/` (`resume=True`).
 
-The defaults are what won back the most in `benchmarks/prune_recovery.py` (a 4+4-layer T5 at real but imperfect
-skill, 50% of heads and FFN channels removed; table in benchmarks/results/prune_recovery.md): distillation from the
-unpruned teacher on logits and on every block's output, at a peak learning rate of 2e-3, batches of 32, 600 steps:
-at d_model 128, 0.6% below the unpruned model's ROUGE-L over three seeds, where plain fine-tuning at 5e-4 (the old
-default) ended 4.4% below with as many steps, and 11.8% with 300. Wider models get a lower rate (`recovery_lr`).
+The defaults are what won back the most in `benchmarks/prune_recovery.py` (4+4-layer T5s at real but imperfect
+skill, 50% of heads and FFN channels removed; tables in docs/prune.md): distillation from the unpruned teacher on
+logits and on every block's output, batches of 32, 4,800 steps, at a peak learning rate of 2e-3 at d_model 128 and
+less on wider models (`recovery_lr`). Against a d256 base trained to the end of its schedule, 4,800 steps at 5e-4
+ended 0.1 / 0.7% below its ROUGE-L (two seeds), 2,400 steps 3.7 / 3.1%, the old default of 600 steps 11.0%.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 # Recovery's own defaults (measured: see the module docstring); `train`'s fine-tuning defaults are not recovery's.
 RECOVER_LR = 2e-3  # peak learning rate up to d_model RECOVER_LR_WIDTH; wider models get less (recovery_lr)
 RECOVER_LR_WIDTH = 128
-RECOVER_STEPS = 600
+RECOVER_STEPS = 4800
+RECOVER_EVALS = 12  # held-out evaluations in a recovery run when the CLI is not told how often
 RECOVER_BATCH = 32
 RECOVER_KD = DistillConfig(hidden_weight=1.0, hidden_layers="all")
 
@@ -47,9 +48,10 @@ class RecoverConfig:
     kd: DistillConfig = field(default_factory=lambda: RECOVER_KD, metadata={"help": "Distillation loss settings."})
     data_cfg: DataConfig = field(default_factory=DataConfig, metadata={"help": "How records are read."})
     train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=RECOVER_STEPS, lr=RECOVER_LR,
-                                                                   batch_size=RECOVER_BATCH, metric="loss"),
+                                                                   batch_size=RECOVER_BATCH, metric="loss",
+                                                                   eval_every=RECOVER_STEPS // RECOVER_EVALS),
                                metadata={"help": "Optimisation settings (max_steps: recovery steps)."})
-    lr_per_width: bool = option(True, "Take train.lr as the rate for d_model <= 128 and scale it by 128 / d_model "
+    lr_per_width: bool = option(True, "Take train.lr as the rate for d_model <= 128 and scale it by (128 / d_model)^2 "
                                       "on wider models (off: train.lr as given; the CLI turns it off with --lr).")
 
     def __post_init__(self) -> None:
@@ -58,14 +60,17 @@ class RecoverConfig:
 
 
 def recovery_lr(cfg: RecoverConfig, d_model: int) -> float:
-    """The peak learning rate recovery runs at on a model of width `d_model`.
+    """The peak learning rate recovery runs at on a model of width `d_model`: train.lr (2e-3) up to d_model 128,
+    x (128 / d_model)^2 above (5e-4 at 256; t5-small's 512 gets 1.25e-4, not measured).
 
-    Adam's usable step falls with width (as muP scales it, by 1 / width): at d_model 128 2e-3 won back the most, at
-    256 it lost 13.9% where 1e-3 lost 5.3% over three seeds (5e-4: 5.8%; benchmarks/results/prune_recovery_d256.md),
-    so the default is 2e-3 up to d_model 128 and 2e-3 x 128 / d_model above (t5-small: 5e-4)."""
+    Adam's usable step falls with width. At d128, 2e-3 won back the most. At d256, 2e-3 lost 13.9% in 600 steps where
+    1e-3 lost 5.3% and 5e-4 5.8% (three seeds, an under-trained base); over the 4,800 steps of the default, against a
+    base trained to the end of its schedule, 5e-4 ended 0.1 / 0.7% below it (two seeds, eval loss 3.13 / 3.16) where
+    1e-3 ended 4.5% below (loss 3.27): the long run wants the smaller step (benchmarks/results/
+    prune_recovery_d256_converged_4800*.md)."""
     if not cfg.lr_per_width:
         return cfg.train.lr
-    return cfg.train.lr * min(1.0, RECOVER_LR_WIDTH / d_model)
+    return cfg.train.lr * min(1.0, RECOVER_LR_WIDTH / d_model) ** 2
 
 
 def recover_model(model, tokenizer, teacher, cfg: RecoverConfig, work: Path, resume: bool = False,

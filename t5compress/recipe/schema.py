@@ -149,7 +149,7 @@ def build(where: str, cls: type, settings: dict, flatten: dict[str, type] | None
     level); `fixed` are values the recipe sets itself (not keys of the stage). Errors name `where.key`."""
     flatten = flatten or {}
     kwargs: dict[str, Any] = dict(fixed or {})
-    if base is not None:  # the field's own default (e.g. recovery's 200 steps), changed only where the recipe says
+    if base is not None:  # the field's own default (e.g. recovery's 4,800 steps), changed only where the recipe says
         kwargs = {n: getattr(base, n) for n in fields_of(cls) if n not in flatten} | kwargs
     for name, (f, hint) in fields_of(cls).items():
         if name in flatten:
