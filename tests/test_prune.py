@@ -262,6 +262,16 @@ def test_recovery_lr_falls_with_width_unless_given():
     assert recovery_lr(given, 512) == recovery_lr(given, 64) == 3e-4
 
 
+def test_cli_recovery_evaluates_twelve_times_a_run_unless_told():
+    from t5compress.cli.prune import RECOVERY_OPTIONS, _recover_cfg
+
+    def every(steps: int, **given) -> int:
+        opts = {p.name: p.default for p in RECOVERY_OPTIONS} | given
+        return _recover_cfg("x.jsonl", None, steps, None, opts).train.eval_every
+
+    assert (every(4800), every(600), every(4), every(4800, eval_every=7)) == (400, 50, 1, 7)
+
+
 STEPS = 160  # recovery steps of the test below
 
 
