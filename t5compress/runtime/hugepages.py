@@ -76,7 +76,7 @@ def collapse_new(before: set[tuple[int, int]]) -> int:
 
 def _collapse_page(libc, page: int, tries: int = 3) -> bool:
     """MADV_COLLAPSE on one huge page, tried again while the kernel answers EAGAIN (a page briefly locked or
-    referenced, e.g. by another thread's fault: the CI run that failed once on this)."""
+    referenced); False where it cannot (no free 2 MiB block, say)."""
     for _ in range(tries):
         if libc.madvise(page, HUGE, MADV_COLLAPSE) == 0:
             return True
