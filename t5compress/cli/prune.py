@@ -51,7 +51,7 @@ def _recover_cfg(data: str, eval_data: str | None, steps: int, teacher: str | No
     """The recovery config from the shared options, popped from `opts`."""
     o = {p.name: opts.pop(p.name) for p in RECOVERY_OPTIONS}
     lr = rec.RECOVER_LR if o["lr"] is None else o["lr"]
-    every = max(1, steps // rec.RECOVER_EVALS) if o["eval_every"] is None else o["eval_every"]
+    every = rec.eval_every(steps) if o["eval_every"] is None else o["eval_every"]
     train = T(max_steps=steps, lr=lr, batch_size=o["batch_size"], eval_every=every, metric="loss", seed=o["seed"])
     kd = K(temperature=o["temperature"], alpha=o["alpha"], hidden_weight=o["hidden_weight"],
            hidden_layers=o["hidden_layers"])

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 RECOVER_LR = 2e-3  # peak learning rate up to d_model RECOVER_LR_WIDTH; wider models get less (recovery_lr)
 RECOVER_LR_WIDTH = 128
 RECOVER_STEPS = 4800
-RECOVER_EVALS = 12  # held-out evaluations in a recovery run when the CLI is not told how often
+RECOVER_EVALS = 12  # held-out evaluations in a recovery run unless told how often (eval_every)
 RECOVER_BATCH = 32
 RECOVER_KD = DistillConfig(hidden_weight=1.0, hidden_layers="all")
 
@@ -49,7 +49,7 @@ class RecoverConfig:
     data_cfg: DataConfig = field(default_factory=DataConfig, metadata={"help": "How records are read."})
     train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=RECOVER_STEPS, lr=RECOVER_LR,
                                                                    batch_size=RECOVER_BATCH, metric="loss",
-                                                                   eval_every=RECOVER_STEPS // RECOVER_EVALS),
+                                                                   eval_every=eval_every(RECOVER_STEPS)),
                                metadata={"help": "Optimisation settings (max_steps: recovery steps)."})
     lr_per_width: bool = option(True, "Take train.lr as the rate for d_model <= 128 and scale it by (128 / d_model)^2 "
                                       "on wider models (off: train.lr as given; the CLI turns it off with --lr).")
@@ -57,6 +57,11 @@ class RecoverConfig:
     def __post_init__(self) -> None:
         require(bool(self.data), "data", "give recovery data")
         require(self.train.max_steps > 0, "recover_steps", f"must be > 0, got {self.train.max_steps}")
+
+
+def eval_every(steps: int) -> int:
+    """Steps between held-out evaluations of a `steps`-long recovery: RECOVER_EVALS in a run."""
+    return max(1, steps // RECOVER_EVALS)
 
 
 def recovery_lr(cfg: RecoverConfig, d_model: int) -> float:
