@@ -96,6 +96,23 @@ def test_sensitive_measures_every_group_and_keeps_the_most_sensitive_fp32(guided
     assert guided["check"]["next_token_agreement"] >= s["all_int8"]["next_token_agreement"] - 0.02
 
 
+def test_agreement_is_checked_and_measured_on_the_eval_texts_when_given(guided, gated_export, demo_jsonl, tmp_path):
+    # Calibration texts usually come from the training data, on which a trained model's int8 agrees with it far
+    # more than on new inputs: with --eval-data, the check and the sensitivity read the held-out texts instead.
+    from t5compress.tasks import make_examples, write_jsonl
+
+    held = tmp_path / "held.jsonl"
+    write_jsonl(held, make_examples(40, seed=5))
+    r = run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
+                                         keep_fp32="sensitive", eval_data=str(held)), tmp_path / "q", progress=False)
+    assert (r["check"]["on"], r["check"]["texts"]) == ("eval texts", 40)
+    assert (guided["check"]["on"], guided["check"]["texts"]) == ("calibration texts", 32)
+    # the sensitivity reads the same texts as the check: the same fp32 greedy positions (and other ones without)
+    assert r["graphs"]["sensitivity"]["positions"] == r["check"]["positions"]
+    assert guided["graphs"]["sensitivity"]["positions"] == guided["check"]["positions"]
+    assert r["check"]["positions"] != guided["check"]["positions"]
+
+
 def test_sensitive_measures_the_per_token_layers_as_the_default_writes_them(guided, gated_export, demo_jsonl,
                                                                            tmp_path):
     """On a gated model the groups are measured as the default has them (smoothed, linear layers per-token int8):

@@ -7,9 +7,10 @@ A *group* is one projection of one layer (`encoder.1 self q`, `decoder.0 cross o
 Each group is measured alone, int8 as the stage writes it: the fp32 graphs (smoothed, when the stage smooths) with
 only that group's nodes reading their inputs through the int8 graph's QuantizeLinear/DequantizeLinear pairs (`mixed`:
 graph surgery, no new quantization), or, for per-token layers (a gated model's default), rewritten per-token
-(`pertoken.rewrite`); teacher-forced along fp32's greedy outputs on the calibration texts (`check.Reference`):
-next-token agreement and logit error. Encoder groups run the encoder variant and fp32's decoder; decoder groups reuse
-fp32's encoder states, so the whole table costs about one forward pass per group.
+(`pertoken.rewrite`); teacher-forced along fp32's greedy outputs on the stage's check texts (`check.Reference`; the
+eval texts when given, else the calibration texts): next-token agreement and logit error. Encoder groups run the
+encoder variant and fp32's decoder; decoder groups reuse fp32's encoder states, so the whole table costs about one
+forward pass per group.
 
 Then the fewest groups are kept fp32, most sensitive first (lowest agreement alone, then largest logit error), found by
 doubling and bisection on the agreement of the all-but-kept int8 graphs. If even the least sensitive group alone stays
@@ -195,8 +196,9 @@ def guide(variants: Variants, reference, table: dict[str, dict[str, list[str]]],
           status=lambda text: None) -> dict:
     """The sensitivity table, and the fewest groups (most sensitive first) to keep fp32 for agreement >= target.
 
-    Returns {"target", "all_int8", "groups": [row...], "kept": [labels], "kept_nodes": {graph: [names]},
-    "kept_check", "evaluations", "seconds"}; raises QuantizeError when every group alone breaks the target."""
+    Returns {"target", "all_int8", "positions" (the teacher-forced positions each measure reads), "groups":
+    [row...], "kept": [labels], "kept_nodes": {graph: [names]}, "kept_check", "evaluations", "seconds"}; raises
+    QuantizeError when every group alone breaks the target."""
     started = time.perf_counter()
     every = {g: {n for grp in table.values() for n in grp.get(g, [])} for g in (ENCODER, DECODER)}
     whole = measure(variants, reference, every, threads)
@@ -206,7 +208,8 @@ def guide(variants: Variants, reference, table: dict[str, dict[str, list[str]]],
         m = measure(variants, reference, {g: set(members.get(g, [])) for g in (ENCODER, DECODER)}, threads)
         rows.append({"group": label, "nodes": sum(len(v) for v in members.values()), **_short(m)})
     order = sorted(rows, key=lambda r: (r["next_token_agreement"], -r["mean_rel_logit_error"]))
-    report = {"target": target, "all_int8": _short(whole), "groups": rows, "kept": [], "evaluations": len(rows) + 1}
+    report = {"target": target, "all_int8": _short(whole), "positions": whole["positions"], "groups": rows, "kept": [],
+              "evaluations": len(rows) + 1}
     if whole["next_token_agreement"] < target:
         best = order[-1]
         if best["next_token_agreement"] < target:
