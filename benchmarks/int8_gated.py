@@ -118,13 +118,13 @@ VARIANTS = {  # name: (what, QuantizeConfig fields)
                {"keep_fp32": "DenseReluDense/wo/", "per_token": "none"}),
     "all-int8": ("static, every group int8", {"keep_fp32": "none", "per_token": "none"}),
     "per-token-wo": ("static, the previous default (gated: wo and an untied lm_head per-token int8)",
-                     {"per_token": "DenseReluDense/wo/,lm_head", "smooth_alpha": 0.0}),
-    "per-token": ("static, the default (gated: SmoothQuant 0.5, every linear layer per-token int8, weights rounded "
-                  "by GPTQ)", {}),
+                     {"per_token": "DenseReluDense/wo/,lm_head", "smooth_alpha": 0.0, "keep_fp32": "none"}),
+    "per-token": ("static, the default without held-out texts (gated: SmoothQuant 0.5, every linear layer per-token "
+                  "int8, weights rounded by GPTQ)", {"keep_fp32": "none"}),
     "nearest": ("static, the default with its weights rounded to nearest (--rounding nearest)",
-                {"rounding": "nearest"}),
-    "after": ("static, --keep-fp32 sensitive (the default's groups measured, the fewest kept fp32 for 97%)",
-              {"keep_fp32": "sensitive"}),
+                {"rounding": "nearest", "keep_fp32": "none"}),
+    "after": ("static, the default with held-out texts (gated: its groups measured on the eval texts, the fewest "
+              "kept fp32 for 97%; --keep-fp32 sensitive)", {"keep_fp32": "sensitive"}),
     "dynamic": ("dynamic (gated: wo kept fp32)", {"mode": "dynamic"}),
     "blockwise": ("block-wise (MatMulNBits, a scale per 32 channels), no calibration texts",
                   {"mode": "blockwise", "calib_data": None}),

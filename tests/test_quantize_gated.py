@@ -96,16 +96,22 @@ def test_sensitive_measures_every_group_and_keeps_the_most_sensitive_fp32(guided
     assert guided["check"]["next_token_agreement"] >= s["all_int8"]["next_token_agreement"] - 0.02
 
 
-def test_agreement_is_checked_and_measured_on_the_eval_texts_when_given(guided, gated_export, demo_jsonl, tmp_path):
+def test_eval_texts_are_checked_and_a_gated_models_groups_measured_on_them(guided, gated_export, demo_jsonl,
+                                                                            tmp_path):
     # Calibration texts usually come from the training data, on which a trained model's int8 agrees with it far
-    # more than on new inputs: with --eval-data, the check and the sensitivity read the held-out texts instead.
+    # more than on new inputs: with --eval-data, the check and the sensitivity read the held-out texts instead, and
+    # a gated model's groups are measured by default (auto), the fewest kept fp32 for the target.
     from t5compress.tasks import make_examples, write_jsonl
 
     held = tmp_path / "held.jsonl"
     write_jsonl(held, make_examples(40, seed=5))
     r = run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
-                                         keep_fp32="sensitive", eval_data=str(held)), tmp_path / "q", progress=False)
+                                         eval_data=str(held)), tmp_path / "q", progress=False)
     assert (r["check"]["on"], r["check"]["texts"]) == ("eval texts", 40)
+    s = r["graphs"]["sensitivity"]
+    assert len(s["groups"]) == GROUPS and s["target"] == 0.97
+    if s["kept"]:
+        assert s["kept_check"]["next_token_agreement"] >= s["target"]
     assert (guided["check"]["on"], guided["check"]["texts"]) == ("calibration texts", 32)
     # the sensitivity reads the same texts as the check: the same fp32 greedy positions (and other ones without)
     assert r["graphs"]["sensitivity"]["positions"] == r["check"]["positions"]
@@ -121,6 +127,7 @@ def test_sensitive_measures_the_per_token_layers_as_the_default_writes_them(guid
     assert s["remedy"]["chosen"] == "per-token int8" and "smooth_quant" in guided["graphs"]
     default = run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5),
                   tmp_path / "default", progress=False)
+    assert "sensitivity" not in default["graphs"]  # no eval texts: nothing measured by default
     assert abs(s["all_int8"]["next_token_agreement"] - default["check"]["next_token_agreement"]) <= 0.005
     if s["kept"]:  # the written graphs agree as the measured mix of them did
         assert abs(guided["check"]["next_token_agreement"] - s["kept_check"]["next_token_agreement"]) <= 0.005

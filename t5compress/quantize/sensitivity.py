@@ -217,7 +217,7 @@ def guide(variants: Variants, reference, table: dict[str, dict[str, list[str]]],
                 f"every int8 group is sensitive: with only the least sensitive ({best['group']}) int8 and all else "
                 f"fp32, next-token agreement is {best['next_token_agreement']:.1%}, below the target "
                 f"{target:g} (all int8: {whole['next_token_agreement']:.1%}, {len(rows)} groups measured); "
-                f"nothing was written")
+                f"nothing was written (--keep-fp32 none quantizes every group without measuring)")
         k, check, evals = _fewest(variants, reference, table, [r["group"] for r in order], every, target, threads,
                                   status)
         report.update(kept=[r["group"] for r in order[:k]], kept_check=check)

@@ -76,14 +76,16 @@ class QuantizeConfig:
     op_types: tuple[str, ...] = opt(("MatMul", "Gemm"), "Op types quantized. MatMul/Gemm mean the linear layers "
                                                        "(constant weights); others are quantized wherever they occur.")
     embeddings: bool = opt(True, "Also store the token embedding (Gather) as int8.")
-    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (none; for gated-gelu models without per-token or "
-                                    "smoothing, T5's FFN output `wo`), sensitive (static: measure each layer group's "
-                                    "sensitivity as it is quantized, per-token and smoothed on gated models, keep the "
-                                    "fewest groups fp32 that reach --target-agreement), none, "
-                                    "or comma-separated name parts, e.g. 'DenseReluDense/wo/'.")
-    target_agreement: float = opt(0.97, "Static, --keep-fp32 sensitive: the next-token agreement with fp32 the kept "
-                                        "groups must reach on the eval texts (--eval-data), else on the "
-                                        "calibration texts.")
+    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (gated-gelu models, static, with --eval-data: as "
+                                    "sensitive, measured on the eval texts; otherwise none, or T5's FFN output `wo` "
+                                    "for gated-gelu models without per-token or smoothing), sensitive (static: "
+                                    "measure each layer group's sensitivity as it is quantized, per-token and "
+                                    "smoothed on gated models, keep the fewest groups fp32 that reach "
+                                    "--target-agreement), none, or comma-separated name parts, e.g. "
+                                    "'DenseReluDense/wo/'.")
+    target_agreement: float = opt(0.97, "Static, groups measured (--keep-fp32 sensitive, or auto with --eval-data on "
+                                        "a gated model): the next-token agreement with fp32 the kept groups must "
+                                        "reach on the eval texts (--eval-data), else on the calibration texts.")
     per_token: str = opt(PER_TOKEN_AUTO, "Static: linear layers given per-token int8 (a scale per input row, computed "
                                          "at run time; int8 weights as elsewhere) instead of a calibrated scale: "
                                          "auto (gated-gelu models: every linear layer, whose inputs vary by orders "
@@ -204,7 +206,7 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, *, 
 
             graphs = tune.run(src, tmp, cfg, texts, evalset, progress)
         else:
-            graphs = _quantize_graphs(src, tmp, cfg, texts, checked[0], progress)
+            graphs = _quantize_graphs(src, tmp, cfg, texts, checked[0] if evalset else None, progress)
         _finish(src, tmp, cfg, graphs)
         report = {"stage": "quantize", **_settings(cfg), "graphs": graphs, "size": _sizes(src, tmp)}
         report.update(_check(src, tmp, cfg, checked, evalset))
@@ -272,10 +274,10 @@ def _settings(cfg: QuantizeConfig) -> dict:
     return s
 
 
-def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str] | None, check: list[str] | None,
+def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str] | None, held: list[str] | None,
                      progress: bool) -> dict:
     """Quantize the three graphs (smoothing first on request) into `tmp`, calibrated on `texts` (a guided choice of
-    groups measured on `check`); re-merge the decoders if `src` had it."""
+    groups measured on the `held`-out eval texts if any, else on `texts`); re-merge the decoders if `src` had it."""
     from t5compress.quantize.methods import scratch_dir, write_blockwise, write_dynamic
 
     with scratch_dir(tmp.parent) as scratch:
@@ -287,9 +289,12 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         smoothing, alpha = None, smoothing_alpha(cfg, gated)
         if alpha > 0:
             sources, smoothing = smoothed(src, sources, alpha, cfg, texts, work, progress)
-        # Opt-in: random weights have flat logits that make every group look sensitive (a random flan-t5-small shape
-        # kept 105 of 146 groups fp32 after 512 s of measuring), so measuring is not the default.
-        guided = cfg.mode == "static" and cfg.keep_fp32 == KEEP_SENSITIVE
+        # Measured when asked, and by default on a gated model given held-out texts. Not on calibration texts alone:
+        # a trained model has learnt them, so int8 agrees with it there and nothing shows, and random weights have
+        # flat logits that make every group look sensitive (a random flan-t5-small shape kept 105 of 146 groups
+        # fp32 after 512 s of measuring).
+        guided = cfg.mode == "static" and (cfg.keep_fp32 == KEEP_SENSITIVE or (
+            cfg.keep_fp32 == KEEP_AUTO and gated and held is not None))
         plan_cfg = replace(cfg, keep_fp32=KEEP_NONE) if guided else cfg  # the sensitivity decides
         plans = {g: plan_for(sources[g], plan_cfg, gated) for g in GRAPHS}
         tokenwise = {g: [n for n in per_token_nodes(sources[g], cfg, gated, is_tied(src)) if n not in plans[g].exclude]
@@ -302,7 +307,7 @@ def _quantize_graphs(src: Path, tmp: Path, cfg: QuantizeConfig, texts: list[str]
         sensitivity = None
         if cfg.mode == "static":
             plans, tokenwise, feeds, sensitivity = _static(src, tmp, work, sources, plans, tokenwise, cfg, texts,
-                                                           check if guided else None, progress)
+                                                           (held or texts) if guided else None, progress)
         elif cfg.mode == "blockwise":
             rounded = _blockwise_gptq(src, sources, plans, cfg, texts, work, progress) if texts else {}
             for g in GRAPHS:
