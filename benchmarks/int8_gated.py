@@ -271,8 +271,8 @@ def markdown(r: dict) -> str:
     lines = ["# Static int8 on gated T5s: the default against the earlier ones, block-wise and dynamic", "",
              f"CPU: {cpu['model']} ({flags}; u8s8 kernels saturate full-range weights: "
              f"{cpu['int8_kernels_saturate']}). Load average {r['load_average'][0]:.1f}. Agreement: teacher-forced "
-             "next token on the texts the stage checks (its eval data: the first 64 of the held-out texts the "
-             "greedy outputs are compared on; --keep-fp32 sensitive measures on the same 64); greedy: identical "
+             "next token on the texts the stage checks (its eval data: the first 200 of the held-out texts the "
+             "greedy outputs are compared on; --keep-fp32 sensitive measures on the same 200); greedy: identical "
              "outputs on held-out texts; speed: generate exactly 32 new tokens for 16 held-out texts, batch 8 "
              "(and 4 texts one at a time: b1), 1 thread, median of 3.", ""]
     for key in ("fixture", "flan-t5-small"):

@@ -15,6 +15,8 @@ import numpy as np
 
 from t5compress.quantize.calibrate import batches
 
+CHECK_TEXTS = 200  # the texts the stage checks on (and a guided choice of groups is measured on)
+
 
 class Reference:
     """fp32's greedy outputs on `texts`, its encoder states and its logits along them: what int8 graphs are compared

@@ -261,7 +261,6 @@ def _short(m: dict) -> dict:
     return {k: m[k] for k in ("next_token_agreement", "mean_rel_logit_error", "max_rel_logit_error")}
 
 
-CHECK_TEXTS = 64  # the texts the stage's own check reads: the sensitivity is measured on the same ones
 PER_TOKEN = "per-token int8"  # the remedy when the linear layers are per-token int8: their outputs stay fp32
 
 
@@ -272,7 +271,7 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[
 
     `plans` quantize everything but the `tokenwise` nodes (per-token int8 with the `rounded` weights, measured as
     such); returns the plans and the per-token nodes with the kept groups excluded, and the `sensitivity` report."""
-    from t5compress.quantize.check import Reference
+    from t5compress.quantize.check import CHECK_TEXTS, Reference
     from t5compress.quantize.methods import Plan
     from t5compress.runtime.sessions import load_onnx
 

@@ -438,14 +438,14 @@ def _check(src: Path, out: Path, cfg: QuantizeConfig, checked: tuple[list[str] |
     """Teacher-forced agreement (thresholded) and greedy agreement on the `checked` texts, and task metrics, of
     fp32 vs int8."""
     from t5compress import metrics
-    from t5compress.quantize.check import agreement, greedy_outputs, teacher_forced
+    from t5compress.quantize.check import CHECK_TEXTS, agreement, greedy_outputs, teacher_forced
     from t5compress.runtime import load_runtime
 
     fp32, int8 = load_runtime(src, threads=cfg.threads), load_runtime(out, threads=cfg.threads)
     check_texts, on = checked
     if check_texts is None:
         check_texts, on = _probe_texts(fp32), "generated probe texts"
-    check_texts = check_texts[:64]
+    check_texts = check_texts[:CHECK_TEXTS]
     a = greedy_outputs(fp32, check_texts, max_new_tokens=cfg.max_new_tokens)
     try:
         tf = teacher_forced(fp32, int8, check_texts, cfg.batch_size, cfg.max_new_tokens)
