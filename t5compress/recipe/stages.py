@@ -225,7 +225,8 @@ def _build_quantize(where: str, s: dict, i: Inputs):
     from t5compress.quantize import QuantizeConfig
 
     calib = i.train if s.get("mode", "static") == "static" else None
-    return schema.build(where, QuantizeConfig, _defaults(s, calib_data=calib))
+    # the check reads the held-out eval texts, not the training ones the model has learnt (see quantize.stage)
+    return schema.build(where, QuantizeConfig, _defaults(s, calib_data=calib, eval_data=i.eval))
 
 
 def _build_triton(where: str, s: dict, i: Inputs):
