@@ -216,7 +216,7 @@ def render(data: dict[str, Any], console) -> None:
     console.print(t)
     graphs = (data["report"] or {}).get("graphs")  # quantize: a dict per graph; export: the graph names
     sens = graphs.get("sensitivity") if isinstance(graphs, dict) else None
-    if sens:
+    if sens and sens["groups"]:
         console.print(_sensitivity_table(sens))
 
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from t5compress.cli import app
 from t5compress.errors import ConfigError, QuantizeError
 from t5compress.quantize import QuantizeConfig, run
-from t5compress.quantize.sensitivity import group_of, mixed, ranked
+from t5compress.quantize.sensitivity import group_of, mixed, ranked, summary
 
 runner = CliRunner()
 GROUPS = 2 * 7 + 2 * 11 + 1  # 2 encoder layers (q k v o wi_0 wi_1 wo), 2 decoder (+ cross), lm_head (the untied
@@ -109,9 +109,16 @@ def test_eval_texts_are_checked_and_a_gated_models_groups_measured_on_them(guide
                                          eval_data=str(held)), tmp_path / "q", progress=False)
     assert (r["check"]["on"], r["check"]["texts"]) == ("eval texts", 40)
     s = r["graphs"]["sensitivity"]
-    assert len(s["groups"]) == GROUPS and s["target"] == 0.97
+    assert s["target"] == 0.97
+    # the default measures the groups only when all of them int8 miss the target (--keep-fp32 sensitive: always)
+    assert len(s["groups"]) == (GROUPS if s["all_int8"]["next_token_agreement"] < 0.97 else 0)
     if s["kept"]:
         assert s["kept_check"]["next_token_agreement"] >= s["target"]
+    met = run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
+                                           target_agreement=0.5, eval_data=str(held)), tmp_path / "met",
+              progress=False)["graphs"]["sensitivity"]
+    assert met["all_int8"]["next_token_agreement"] >= 0.5 and met["groups"] == met["kept"] == []
+    assert summary(met).startswith("sensitivity (") and "nothing kept fp32" in summary(met)
     assert (guided["check"]["on"], guided["check"]["texts"]) == ("calibration texts", 32)
     # the sensitivity reads the same texts as the check: the same fp32 greedy positions (and other ones without)
     assert r["graphs"]["sensitivity"]["positions"] == r["check"]["positions"]

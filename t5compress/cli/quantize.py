@@ -71,9 +71,10 @@ def print_report(report: dict, con) -> None:
         from t5compress.quantize.sensitivity import ranked, summary
 
         con.print(summary(sens), highlight=False)
-        top = ", ".join(f"{r['group']} {r['next_token_agreement']:.1%}" for r in ranked(sens)[:5])
-        con.print(f"most sensitive alone (only that group int8): {top}; every group: `t5compress info`",
-                  highlight=False)
+        if sens["groups"]:  # the default measures them only when all int8 misses the target
+            top = ", ".join(f"{r['group']} {r['next_token_agreement']:.1%}" for r in ranked(sens)[:5])
+            con.print(f"most sensitive alone (only that group int8): {top}; every group: `t5compress info`",
+                      highlight=False)
     kept = sorted({n for g in report["graphs"].values() if isinstance(g, dict) for n in g.get("kept_fp32", [])})
     if kept:
         con.print(f"kept fp32: {len(kept)} node(s), e.g. {kept[0]}", highlight=False)

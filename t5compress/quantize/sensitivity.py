@@ -193,8 +193,9 @@ def measure(variants: Variants, reference, names: dict[str, set[str]], threads: 
 
 
 def guide(variants: Variants, reference, table: dict[str, dict[str, list[str]]], target: float, threads: int,
-          status=lambda text: None) -> dict:
+          status=lambda text: None, every_group: bool = True) -> dict:
     """The sensitivity table, and the fewest groups (most sensitive first) to keep fp32 for agreement >= target.
+    Without `every_group`, groups are measured only when all of them int8 miss the target (else "groups" is empty).
 
     Returns {"target", "all_int8", "positions" (the teacher-forced positions each measure reads), "groups":
     [row...], "kept": [labels], "kept_nodes": {graph: [names]}, "kept_check", "evaluations", "seconds"}; raises
@@ -203,7 +204,8 @@ def guide(variants: Variants, reference, table: dict[str, dict[str, list[str]]],
     every = {g: {n for grp in table.values() for n in grp.get(g, [])} for g in (ENCODER, DECODER)}
     whole = measure(variants, reference, every, threads)
     rows = []
-    for i, (label, members) in enumerate(table.items()):
+    needed = every_group or whole["next_token_agreement"] < target
+    for i, (label, members) in enumerate(table.items() if needed else ()):
         status(f"sensitivity {i + 1}/{len(table)}: {label}")
         m = measure(variants, reference, {g: set(members.get(g, [])) for g in (ENCODER, DECODER)}, threads)
         rows.append({"group": label, "nodes": sum(len(v) for v in members.values()), **_short(m)})
@@ -273,6 +275,7 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[
     such); returns the plans and the per-token nodes with the kept groups excluded, and the `sensitivity` report."""
     from t5compress.quantize.check import CHECK_TEXTS, Reference
     from t5compress.quantize.methods import Plan
+    from t5compress.quantize.sources import KEEP_SENSITIVE
     from t5compress.runtime.sessions import load_onnx
 
     measured = (ENCODER, DECODER)
@@ -290,7 +293,9 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[
                         {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured},
                         {g: set(tokenwise.get(g, [])) for g in measured}, _weight_max(cfg), rounded or {})
     table = groups({g: [*p.nodes, *tokenwise.get(g, [])] for g, p in plans.items()})
-    report = guide(variants, reference, table, cfg.target_agreement, cfg.threads, status)
+    # asked for (sensitive): the whole table; the default (auto): only what reaching the target needs
+    report = guide(variants, reference, table, cfg.target_agreement, cfg.threads, status,
+                   every_group=cfg.keep_fp32 == KEEP_SENSITIVE)
     report["remedy"] = remedy
     kept = {g: set(report["kept_nodes"].get(g, [])) for g in plans}
     out = {g: Plan(tuple(n for n in p.nodes if n not in kept[g]), tuple(dict.fromkeys((*p.exclude, *sorted(kept[g])))),
@@ -370,8 +375,9 @@ def summary(report: dict) -> str:
     whole = report["all_int8"]["next_token_agreement"]
     remedy = report.get("remedy", {}).get("chosen")
     how = " (linear layers per-token)" if remedy == PER_TOKEN else ""
-    head = (f"sensitivity of {len(report['groups'])} layer groups ({report['seconds']:.1f} s): all int8{how} picks "
-            f"fp32's next token at {whole:.2%}, target {report['target']:.1%}")
+    measured = f"of {len(report['groups'])} layer groups " if report["groups"] else ""
+    head = (f"sensitivity {measured}({report['seconds']:.1f} s): all int8{how} picks fp32's next token at "
+            f"{whole:.2%}, target {report['target']:.1%}")
     if remedy == "linear outputs fp32":
         fixed = report["remedy"]["linear_outputs_fp32"]["next_token_agreement"]
         head += f" with the linear layers' outputs int8, {fixed:.2%} with them fp32 (kept so)"

@@ -76,9 +76,10 @@ class QuantizeConfig:
     op_types: tuple[str, ...] = opt(("MatMul", "Gemm"), "Op types quantized. MatMul/Gemm mean the linear layers "
                                                        "(constant weights); others are quantized wherever they occur.")
     embeddings: bool = opt(True, "Also store the token embedding (Gather) as int8.")
-    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (gated-gelu models, static, with --eval-data: as "
-                                    "sensitive, measured on the eval texts; otherwise none, or T5's FFN output `wo` "
-                                    "for gated-gelu models without per-token or smoothing), sensitive (static: "
+    keep_fp32: str = opt(KEEP_AUTO, "Nodes kept fp32: auto (gated-gelu models, static, with --eval-data: if "
+                                    "every group int8 misses --target-agreement on the eval texts, as sensitive; "
+                                    "otherwise none, or T5's FFN output `wo` for gated-gelu models without "
+                                    "per-token or smoothing), sensitive (static: "
                                     "measure each layer group's sensitivity as it is quantized, per-token and "
                                     "smoothed on gated models, keep the fewest groups fp32 that reach "
                                     "--target-agreement), none, or comma-separated name parts, e.g. "
