@@ -32,6 +32,9 @@ def test_demo_trains_ships_and_benchmarks_every_variant_then_skips_on_rerun(tmp_
     # Trimming keeps the logits at the kept pieces: the int8 variants agree to within 2 of the 200 eval examples
     # (static int8 calibrates the smaller LM head anew).
     assert abs(acc["pruned-vocab-int8"]["exact_match"] - acc["pruned-int8"]["exact_match"]) <= 1.0
+    # the recipe's quantize stages check on the data stage's held-out eval texts, not on the training ones
+    check = json.loads((out / "int8" / "report.json").read_text())["check"]
+    assert (check["on"], check["texts"]) == ("eval texts", 200)
     export = json.loads((out / "onnx" / "report.json").read_text())
     assert max(export["parity"]["max_abs_diff"].values()) < 1e-4
     _check_vocabulary_trimming(out)

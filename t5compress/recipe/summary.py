@@ -50,7 +50,8 @@ def quantize_summary(r: dict) -> str:
     size, check = r.get("size") or {}, r.get("check") or {}
     agree = check.get("next_token_agreement")
     text = f"{mb(size.get('fp32_bytes'))} → {mb(size.get('int8_bytes'))}"
-    return text + (f", next-token agreement {agree:.1%}" if isinstance(agree, float) else "")
+    on = f" on {check['texts']} {check['on']}" if "texts" in check and "on" in check else ""
+    return text + (f", next-token agreement {agree:.1%}{on}" if isinstance(agree, float) else "")
 
 
 def bench_summary(r: dict) -> str:
