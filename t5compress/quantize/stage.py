@@ -463,9 +463,8 @@ def _check(src: Path, out: Path, cfg: QuantizeConfig, checked: tuple[list[str] |
             f"nodes fp32, or another --method); nothing was written"
         )
     if evalset:
-        sources = [cfg.prefix + e.source for e in evalset]
-        targets = [e.target for e in evalset]
-        if sources == check_texts:  # the check read every eval text: its outputs are these
+        sources, targets = checked[0], [e.target for e in evalset]  # the eval texts (see _check_texts)
+        if len(sources) == len(check_texts):  # the check read every eval text: its outputs are these
             p32, p8 = a, b
         else:
             p32 = greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens)
