@@ -151,8 +151,10 @@ def test_sensitive_measures_the_per_token_layers_as_the_default_writes_them(guid
 def test_fp32_embeddings_leave_the_other_nodes_alone(gated_export, demo_jsonl, tmp_path):
     """With every linear layer per-token and the embeddings fp32, calibration has no node to quantize: the graph is
     left as it is (ONNX Runtime's quantizer took an empty node list for every node: attention's products, the
-    position bias and the value cache went int8, 56% next-token agreement)."""
-    cfg = QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5, embeddings=False)
+    position bias and the value cache went int8, 56% next-token agreement). Weights reduced where the CPU's int8
+    kernels saturate (x86 without VNNI: this random model measured 75.6% with full-range weights on such a CPU)."""
+    cfg = QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5, embeddings=False,
+                         weight_range="auto")
     r = run(gated_export, cfg, tmp_path / "q", progress=False)
     for g in ("encoder_model", "decoder_model"):
         graph = onnx.load(str(tmp_path / "q" / f"{g}.onnx")).graph

@@ -1,30 +1,45 @@
-"""Calibration feeds: what each exported graph really sees while the fp32 runtime generates from real text.
+"""Calibration: what each exported graph really sees while the runtime generates from real text, folded into
+fixed-size statistics as it passes.
 
 The encoder gets the tokenized calibration texts; the first decoder step gets the encoder output; every later step
-gets the real past keys and values of the steps before it. A `Tap` wraps a runtime graph and hands each feed to the
-sinks registered for that graph (one ONNX Runtime calibrator per graph) before running it, so nothing is stored:
-calibration memory stays flat whatever the number of samples or steps. One feed per `collect` call also means tensors
-of different lengths never need stacking, which is what ONNX Runtime's Entropy and Percentile calibrators require.
+gets the real past keys and values of the steps before it. Each graph runs as one ONNX Runtime session of itself
+augmented with the tensors its statistics read (`TapGraph`), and generation runs through those sessions: the weights
+are loaded once, and every step is computed once. A statistic folds each run into a state whose size does not depend
+on the data (a running min / max, a histogram, a sum of X^T X, a per-channel max), and a run is split into row chunks
+so that its tokens and the extra tensors it returns stay within a budget. Calibration memory is the model plus that
+working set, whatever the number of texts or steps (tests/test_quantize.py measures it; benchmarks/scale.py on a
+t5-base shape). One array per tensor per fold also means tensors of different lengths are never stacked, which ONNX
+Runtime's Entropy and Percentile collectors require.
+
+A statistic is any object with `augment(model) -> [names]` (add nodes to the graph in memory if it wants, and name
+the tensors it reads) and `__call__(feeds, values)` (the run's inputs, and those tensors).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from t5compress.errors import DataError
-from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER
+from t5compress.names import DECODER, DECODER_WITH_PAST, ENCODER, GRAPHS
 from t5compress.textio import read_lines
 
 log = logging.getLogger(__name__)
 
 Feeds = dict[str, np.ndarray]
-Sink = Callable[[Feeds], None]
 TEXT_SUFFIXES = (".txt", ".text")
+RUN_TOKENS = 4096  # input tokens per run: bounds the activations (attention scores grow with rows x length^2)
+RUN_BYTES = 256 << 20  # extra tensors one run may return (full activations for histograms and Gram matrices)
+
+
+class Statistic(Protocol):
+    def augment(self, model) -> list[str]: ...
+
+    def __call__(self, feeds: Feeds, values: Feeds) -> None: ...
 
 
 def load_texts(src: str | Path, field: str = "source", prefix: str = "", samples: int | None = None) -> list[str]:
@@ -48,20 +63,59 @@ def load_texts(src: str | Path, field: str = "source", prefix: str = "", samples
     return [prefix + t for t in (texts[:samples] if samples else texts)]
 
 
-class Tap:
-    """A runtime graph that shows every feed to its sinks, then runs as before."""
+class TapGraph:
+    """One exported graph, augmented with what its `stats` read, run as the runtime's graph: each run's inputs and
+    those tensors go to the statistics, the graph's own outputs to the runtime. A run is split by rows so that it
+    holds at most `tokens` input tokens and returns at most `budget` bytes of extra tensors."""
 
-    def __init__(self, graph, sinks: list[Sink]):
-        self.graph, self.sinks = graph, sinks
-        self.name, self.input_names, self.output_names = graph.name, graph.input_names, graph.output_names
+    def __init__(self, path: Path, stats: Sequence[Statistic], work: Path, threads: int, tokens: int = RUN_TOKENS,
+                 budget: int = RUN_BYTES):
+        import onnx
+
+        from t5compress.quantize.graphs import save_graph
+        from t5compress.runtime.sessions import load_onnx, onnx_session, session_options
+
+        model = load_onnx(str(path))
+        self.name, self.stats = path.stem, list(stats)
+        self.output_names = tuple(o.name for o in model.graph.output)
+        self.reads = [list(s.augment(model)) for s in self.stats]
+        extra = [n for n in dict.fromkeys(n for r in self.reads for n in r) if n not in self.output_names]
+        model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in extra)
+        tapped = work / f"{path.stem}.tap{id(self):x}.onnx"
+        save_graph(model, tapped)
+        del model
+        self.session = onnx_session(tapped, session_options(threads))
+        self.input_names = tuple(i.name for i in self.session.get_inputs())
+        self.fetch = [*self.output_names, *extra]
+        self.tokens, self.budget = tokens, budget
+        self.token_bytes: float | None = None  # extra bytes per input token, learnt from the first run
         self.calls = 0
 
     def run(self, feeds: Feeds) -> Feeds:
         own = {n: feeds[n] for n in self.input_names}
-        for sink in self.sinks:
-            sink(own)
+        rows, length = own["input_ids"].shape
+        outs, i = [], 0
+        while i < rows:
+            step = self._rows(length)
+            part = own if i == 0 and step >= rows else {k: v[i:i + step] for k, v in own.items()}
+            i += step
+            values = dict(zip(self.fetch, self.session.run(self.fetch, part), strict=True))
+            for stat, names in zip(self.stats, self.reads, strict=True):
+                stat(part, {n: values[n] for n in names})
+            extra = sum(v.nbytes for n, v in values.items() if n not in self.output_names)
+            self.token_bytes = max(self.token_bytes or 0.0, extra / (len(part["input_ids"]) * length))
+            outs.append([values[n] for n in self.output_names])
         self.calls += 1
-        return self.graph.run(feeds)
+        merged = outs[0] if len(outs) == 1 else [np.concatenate(parts) for parts in zip(*outs, strict=True)]
+        return dict(zip(self.output_names, merged, strict=True))
+
+    def _rows(self, length: int) -> int:
+        """Rows per run: within the token budget, and (once a run has shown its size) within the byte budget;
+        one row until then when the statistics read any tensor."""
+        if self.token_bytes is None:
+            return 1 if any(self.reads) else max(1, self.tokens // length)
+        by_bytes = self.budget // max(self.token_bytes * length, 1.0)
+        return int(max(1, min(self.tokens // length, by_bytes)))
 
 
 def batches(texts: Sequence[str], size: int) -> Iterator[list[str]]:
@@ -71,26 +125,66 @@ def batches(texts: Sequence[str], size: int) -> Iterator[list[str]]:
         yield [texts[j] for j in order[i : i + size]]
 
 
-def drive(runtime, texts: Sequence[str], sinks: dict[str, list[Sink]], batch_size: int, max_new_tokens: int,
+def drive(src: Path, graphs: dict[str, Path], texts: Sequence[str], stats: dict[str, list[Statistic]],
+          batch_size: int, max_new_tokens: int, work: Path, threads: int = 0,
           progress: Callable[[int], None] | None = None) -> dict[str, int]:
-    """Generate greedily over `texts` with `runtime`, showing each graph's feeds to `sinks[graph]`.
+    """Generate greedily over `texts` with the export dir `src`'s tokenizer and settings, running each graph from
+    `graphs` (its fp32 graphs, or rewritten ones such as smoothed) with its `stats` tapping it.
 
-    Returns the number of feeds each graph saw.
-    """
-    backend = runtime.backend
-    taps = {
-        ENCODER: Tap(backend.encoder, sinks.get(ENCODER, [])),
-        DECODER: Tap(backend.decoder, sinks.get(DECODER, [])),
-        DECODER_WITH_PAST: Tap(backend.decoder_with_past, sinks.get(DECODER_WITH_PAST, [])),
-    }
-    runtime.backend = replace(backend, encoder=taps[ENCODER], decoder=taps[DECODER],
-                              decoder_with_past=taps[DECODER_WITH_PAST])
-    try:
-        for chunk in batches(texts, batch_size):
-            ids, mask = runtime.encode(chunk)
-            runtime.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)
-            if progress:
-                progress(len(chunk))
-    finally:
-        runtime.backend = backend
+    Returns the number of feeds each graph saw. Texts longer than the model's input limit are truncated as
+    `generate` truncates them, and said so in one warning."""
+    from t5compress.runtime.model import runtime_over
+    from t5compress.runtime.sessions import Backend
+
+    taps = {g: TapGraph(graphs[g], stats.get(g, []), work, threads) for g in GRAPHS}
+    runtime = runtime_over(src, Backend("onnx", taps[ENCODER], taps[DECODER], taps[DECODER_WITH_PAST]))
+    cut = 0
+    for chunk in batches(texts, batch_size):
+        enc = runtime.tokenize(chunk)
+        cut += sum(enc.truncated)
+        runtime.generate(enc.input_ids, enc.attention_mask, max_new_tokens=max_new_tokens, num_beams=1)
+        if progress:
+            progress(len(chunk))
+    if cut:
+        log.warning("%d of %d calibration texts are longer than the model's %d-token input limit and were truncated "
+                    "to it, as generate does", cut, len(texts), runtime.max_input_tokens)
     return {name: tap.calls for name, tap in taps.items()}
+
+
+class Snapshot:
+    """A statistic that keeps a copy of the `at`-th run's inputs (the last one seen if there were fewer)."""
+
+    def __init__(self, at: int = 0):
+        self.at, self.seen, self.feeds = at, 0, None
+
+    def augment(self, model) -> list[str]:
+        return []
+
+    def __call__(self, feeds: Feeds, values: Feeds) -> None:
+        if self.seen <= self.at:
+            self.feeds = {k: np.array(v, copy=True) for k, v in feeds.items()}
+        self.seen += 1
+
+
+class Recorder:
+    """A statistic that keeps copies of runs' inputs, evenly spread over all it is shown and bounded both in number
+    (`limit`) and in bytes (`budget`): when either is exceeded, every other copy is dropped and only every
+    second run from then on is kept (the spread stays even, the memory bounded whatever the number of runs)."""
+
+    def __init__(self, limit: int = 64, budget: int = 1 << 30):
+        self.limit, self.budget = limit, budget
+        self.stride, self.seen, self.feeds = 1, 0, []
+
+    def augment(self, model) -> list[str]:
+        return []
+
+    def __call__(self, feeds: Feeds, values: Feeds) -> None:
+        if self.seen % self.stride == 0:
+            self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+            while len(self.feeds) > 1 and (len(self.feeds) > self.limit or self.nbytes > self.budget):
+                self.feeds, self.stride = self.feeds[::2], self.stride * 2
+        self.seen += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for f in self.feeds for v in f.values())

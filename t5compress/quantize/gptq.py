@@ -2,7 +2,7 @@
 each weight's rounding error is spread over the input channels not yet rounded, weighted by what the calibration
 inputs make of them, so that a layer's outputs on real inputs move less than with rounding to nearest.
 
-    grams = Gram(graph_path, node_names, work)   # a calibration sink: X^T X of each node's input over real feeds
+    grams = Gram(graph_path, node_names)          # a calibration statistic: X^T X of each node's input
     q, scale = gptq_int8(w, gram, weight_max)    # w: (in, out) as ONNX MatMul holds it
 
 With int8 activations taken per token, what static int8 still loses on the gated fixtures is mostly the weights'
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from t5compress.quantize.graphs import tapped_session
 from t5compress.runtime.sessions import load_onnx
 
 BLOCK = 128  # input channels rounded before the rest are updated at once (GPTQ's lazy batch update)
@@ -25,18 +24,21 @@ DAMP = 0.01  # added to the Gram matrix's diagonal, as a share of its mean: keep
 
 
 class Gram:
-    """X^T X of the inputs of the MatMul nodes among `names`, summed over real feeds through an augmented ONNX Runtime
-    session (a calibration sink, like `smooth.ChannelMax`)."""
+    """X^T X of the inputs of the MatMul nodes among `names`, summed over real runs (a calibration statistic, see
+    `calibrate.TapGraph`, like `smooth.ChannelMax`): one (in, in) float64 matrix per input, whatever the runs."""
 
-    def __init__(self, path: Path, names: list[str], work: Path):
+    def __init__(self, path: Path, names: list[str]):
         model = load_onnx(str(path), load_external_data=False)
         self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names) and n.op_type == "MatMul"}
         self.tensors = list(dict.fromkeys(self.inputs.values()))
-        self.session = tapped_session(path, self.tensors, work, "gram")
         self.gram: dict[str, np.ndarray] = {}
 
-    def __call__(self, feeds: dict[str, np.ndarray]) -> None:
-        for name, x in zip(self.tensors, self.session.run(self.tensors, feeds), strict=True):
+    def augment(self, model) -> list[str]:
+        return self.tensors
+
+    def __call__(self, feeds: dict[str, np.ndarray], values: dict[str, np.ndarray]) -> None:
+        for name in self.tensors:
+            x = values[name]
             x = x.reshape(-1, x.shape[-1]).astype(np.float64)
             self.gram[name] = self.gram[name] + x.T @ x if name in self.gram else x.T @ x
 

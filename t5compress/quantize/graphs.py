@@ -164,17 +164,16 @@ def _gather_scaled(model: onnx.ModelProto, node, copy: str, out: str, inits: dic
     return True
 
 
-def tapped_session(path: Path, tensors: list[str], work: Path, tag: str):
-    """An ONNX Runtime session of the graph at `path` that also returns its inner `tensors` (the graph, with them
-    made outputs, written to `work` as <stem>.<tag>.onnx)."""
-    from t5compress.runtime.sessions import onnx_session
+PROTO_LIMIT = 1_800_000_000  # protobuf cannot serialise a message of 2 GiB: larger graphs keep their weights beside
 
-    model = load_onnx(str(path))
-    known = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(x) for x in tensors if x not in known)
-    tapped = work / f"{path.stem}.{tag}.onnx"
-    onnx.save(model, str(tapped))
-    return onnx_session(tapped)
+
+def save_graph(model: onnx.ModelProto, path: Path) -> None:
+    """Write `model` to `path`, its weights in `<name>_data` beside it when the graph would not fit in one file."""
+    if sum(len(t.raw_data) for t in model.graph.initializer) > PROTO_LIMIT:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + "_data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
 
 
 def save_without(model: onnx.ModelProto, dead: set[str], path: Path) -> None:

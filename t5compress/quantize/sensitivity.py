@@ -280,7 +280,7 @@ def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[
 
     measured = (ENCODER, DECODER)
     status("sensitivity: fp32 reference outputs")
-    reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens)
+    reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens, store=work)
     if any(tokenwise.get(g) for g in measured):  # per-token layers: their outputs are fp32 already
         outputs, remedy = True, {"chosen": PER_TOKEN}
         for g in measured:

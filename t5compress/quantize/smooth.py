@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from t5compress.quantize.graphs import FFN_OUTPUT, tapped_session
+from t5compress.quantize.graphs import FFN_OUTPUT
 from t5compress.runtime.sessions import load_onnx
 
 log = logging.getLogger(__name__)
@@ -92,16 +92,18 @@ def ffn_output_groups(model: onnx.ModelProto, readers: dict[str, list]) -> list[
 
 
 class ChannelMax:
-    """Per-channel max |x| of the groups' inputs, collected from real feeds through an augmented ONNX Runtime
-    session."""
+    """Per-channel max |x| of the groups' inputs over real runs (a calibration statistic, see `calibrate.TapGraph`)."""
 
-    def __init__(self, path: Path, groups: list[Group], work: Path):
+    def __init__(self, groups: list[Group]):
         self.inputs = list(dict.fromkeys(g.x for g in groups))
-        self.session = tapped_session(path, self.inputs, work, "channels")
         self.amax: dict[str, np.ndarray] = {}
 
-    def __call__(self, feeds: dict[str, np.ndarray]) -> None:
-        for name, x in zip(self.inputs, self.session.run(self.inputs, feeds), strict=True):
+    def augment(self, model) -> list[str]:
+        return self.inputs
+
+    def __call__(self, feeds: dict[str, np.ndarray], values: dict[str, np.ndarray]) -> None:
+        for name in self.inputs:
+            x = values[name]
             m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)  # (channels,)
             self.amax[name] = np.maximum(self.amax[name], m) if name in self.amax else m
 

@@ -119,13 +119,12 @@ def smoothed(src: Path, sources: dict[str, Path], alpha: float, cfg, texts: list
     """Measure the linear layers' input channels on the calibration texts, then write rescaled fp32 graphs into
     `work` (see `quantize.smooth`)."""
     from t5compress.quantize.smooth import ChannelMax, smooth, smooth_groups
-    from t5compress.runtime import load_runtime
     from t5compress.runtime.sessions import load_onnx
 
-    groups = {g: smooth_groups(load_onnx(str(p))) for g, p in sources.items()}
-    meters = {g: ChannelMax(sources[g], groups[g], work) for g in GRAPHS if groups[g]}
-    fp32 = load_runtime(src, threads=cfg.threads)
-    drive_texts(fp32, texts, {g: [m] for g, m in meters.items()}, cfg, progress, "measuring input channels")
+    groups = {g: smooth_groups(load_onnx(str(p), load_external_data=False)) for g, p in sources.items()}
+    meters = {g: ChannelMax(groups[g]) for g in GRAPHS if groups[g]}
+    drive_texts(src, sources, texts, {g: [m] for g, m in meters.items()}, cfg, work, progress,
+                "measuring input channels")
     smoothed, summary = dict(sources), {}
     for g, meter in meters.items():
         smoothed[g] = work / f"{g}.smoothed{ONNX_SUFFIX}"
@@ -133,9 +132,11 @@ def smoothed(src: Path, sources: dict[str, Path], alpha: float, cfg, texts: list
     return smoothed, summary
 
 
-def drive_texts(runtime, texts: list[str], sinks: dict, cfg, progress: bool, what: str) -> dict[str, int]:
-    """Generate on `texts` with the fp32 `runtime`, feeding what each graph sees to its `sinks`, showing progress."""
+def drive_texts(src: Path, graphs: dict[str, Path], texts: list[str], stats: dict, cfg, work: Path, progress: bool,
+                what: str) -> dict[str, int]:
+    """Generate on `texts` through `graphs` (tapped by `stats`, see `calibrate.drive`), showing progress."""
     from t5compress.quantize.calibrate import drive
 
     with Reporter("quantize", len(texts), unit="text", what=what, enabled=progress, transient=True) as bar:
-        return drive(runtime, texts, sinks, cfg.batch_size, cfg.max_new_tokens, progress=bar.update)
+        return drive(src, graphs, texts, stats, cfg.batch_size, cfg.max_new_tokens, work, cfg.threads,
+                     progress=bar.update)

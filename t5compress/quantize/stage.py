@@ -344,25 +344,26 @@ def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, tokenw
     guided)."""
     from t5compress.progress import Reporter
     from t5compress.quantize import sensitivity as sens
+    from t5compress.quantize.calibrate import Snapshot
     from t5compress.quantize.gptq import Gram
     from t5compress.quantize.methods import StaticGraph
     from t5compress.quantize.pertoken import per_token_int8
-    from t5compress.quantize.tune import Recorder
     from t5compress.runtime import load_runtime
 
     reduce, wmax = weight_max(cfg.weight_range) < FULL_WEIGHT_MAX, weight_max(cfg.weight_range)
     calibrators = {g: StaticGraph(sources[g], plans[g], cfg.method, work, cfg.percentile) for g in GRAPHS}
-    probe = Recorder(limit=cfg.batch_size)  # a mid-generation with-past feed, to time what the kept groups cost
-    sinks = {g: [c] for g, c in calibrators.items()}
-    sinks[DECODER_WITH_PAST].append(probe)
-    grams = {g: Gram(sources[g], tokenwise[g], work) for g in GRAPHS if cfg.rounding == GPTQ and tokenwise[g]}
+    stats = {g: [c] for g, c in calibrators.items()}
+    probe = Snapshot(at=cfg.max_new_tokens // 2)  # a mid-generation with-past step, to time what kept groups cost
+    if guided:
+        stats[DECODER_WITH_PAST].append(probe)
+    grams = {g: Gram(sources[g], tokenwise[g]) for g in GRAPHS if cfg.rounding == GPTQ and tokenwise[g]}
     for g, gram in grams.items():
-        sinks[g].append(gram)
-    fp32 = load_runtime(src, threads=cfg.threads)
-    feeds = drive_texts(fp32, texts, sinks, cfg, progress, "calibrating")
+        stats[g].append(gram)
+    feeds = drive_texts(src, sources, texts, stats, cfg, work, progress, "calibrating")
     rounded = _gptq(sources, grams, wmax, progress)
     report, every = None, dict(tokenwise)
     if guided:
+        fp32 = load_runtime(src, threads=cfg.threads)
         with Reporter("quantize", what="sensitivity", enabled=progress, transient=True) as bar:
             plans, tokenwise, report = sens.guided(fp32, sources, plans, tokenwise, calibrators, cfg, guided, work,
                                                    rounded, status=lambda text: bar.update(0, what=text))
@@ -370,14 +371,14 @@ def _static(src: Path, tmp: Path, work: Path, sources: dict, plans: dict, tokenw
     for g in GRAPHS:
         calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g], outputs)
         tokenwise[g] = per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], wmax, rounded.get(g))
-    if report is not None and (report["kept"] or not outputs) and probe.feeds:
+    if report is not None and (report["kept"] or not outputs) and probe.feeds is not None:
         dwp, path = plans[DECODER_WITH_PAST], work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
         static = tuple(n for n in dwp.exclude if n not in every[DECODER_WITH_PAST])  # kept fp32 by the measuring
         calibrators[DECODER_WITH_PAST].write(path, cfg.format, cfg.per_channel, reduce,
                                              replace(dwp, nodes=dwp.nodes + static, exclude=()))
         per_token_int8(path, every[DECODER_WITH_PAST], wmax, rounded.get(DECODER_WITH_PAST))
-        all_ms = sens.step_ms(path, probe.feeds[-1])
-        kept_ms = sens.step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", probe.feeds[-1])
+        all_ms = sens.step_ms(path, probe.feeds)
+        kept_ms = sens.step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", probe.feeds)
         report["step_ms"] = {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
     return plans, tokenwise, feeds, report
 
@@ -387,13 +388,11 @@ def _blockwise_gptq(src: Path, sources: dict, plans: dict, cfg: QuantizeConfig, 
     """Block-wise with calibration texts: the linear layers' weights rounded by GPTQ, a scale per block (`--rounding
     nearest`: none rounded here)."""
     from t5compress.quantize.gptq import Gram
-    from t5compress.runtime import load_runtime
 
     if cfg.rounding != GPTQ:
         return {}
-    grams = {g: Gram(sources[g], list(plans[g].nodes), work) for g in GRAPHS}
-    drive_texts(load_runtime(src, threads=cfg.threads), texts, {g: [gram] for g, gram in grams.items()}, cfg,
-                progress, "calibrating")
+    grams = {g: Gram(sources[g], list(plans[g].nodes)) for g in GRAPHS}
+    drive_texts(src, sources, texts, {g: [gram] for g, gram in grams.items()}, cfg, work, progress, "calibrating")
     return _gptq(sources, grams, FULL_WEIGHT_MAX, progress, block_size(cfg))
 
 

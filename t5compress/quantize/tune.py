@@ -18,7 +18,6 @@ calls exit() when no candidate meets the goal: the last candidate here is the gr
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -42,7 +41,8 @@ FALLBACKS = (
     ("attention q/k/v", ("Attention/q/", "Attention/k/", "Attention/v/")),
     ("embeddings", ("embed_tokens/Gather",)),
 )
-MAX_FEEDS = 64  # recorded calibration feeds per graph (later decoder steps are sampled evenly)
+MAX_FEEDS = 64  # recorded calibration feeds per graph, sampled evenly over all (see `calibrate.Recorder`) ...
+FEED_BYTES = 1 << 30  # ... and at most this many bytes of them (a with-past feed holds the whole cache)
 METRIC, FALLBACK_METRIC = "exact_match", "rougeL"
 
 
@@ -105,18 +105,6 @@ def _recording_sampler(state: dict):
     return Recording
 
 
-class Recorder:
-    """A calibration sink that keeps up to `limit` feeds of one graph (every `stride`-th), for ONC's data reader."""
-
-    def __init__(self, stride: int = 1, limit: int = MAX_FEEDS):
-        self.stride, self.limit, self.seen, self.feeds = max(stride, 1), limit, 0, []
-
-    def __call__(self, feeds: dict[str, np.ndarray]) -> None:
-        if self.seen % self.stride == 0 and len(self.feeds) < self.limit:
-            self.feeds.append({k: np.array(v, copy=True) for k, v in feeds.items()})
-        self.seen += 1
-
-
 def _reader(feeds: list[dict[str, np.ndarray]]):
     _, _, data_reader = _onc()
 
@@ -170,6 +158,7 @@ class Pipeline:
 
 def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = True) -> dict:
     """Tune and write the three int8 graphs into `tmp`; returns the `graphs` part of the quantize report."""
+    from t5compress.quantize.calibrate import Recorder
     from t5compress.quantize.methods import scratch_dir
     from t5compress.quantize.sources import drive_texts, is_gated, smoothed, smoothing_alpha, untied
 
@@ -181,10 +170,7 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     if fp32 <= 0:
         raise QuantizeError(f"the fp32 model scores 0 {pipe.metric} on {cfg.eval_data}: no tolerance can be kept")
     goal = fp32 * (1 - cfg.tolerance)
-    steps = math.ceil(len(texts) / cfg.batch_size) * max(cfg.max_new_tokens - 1, 1)
-    recorders = {ENCODER: Recorder(), DECODER: Recorder(), DECODER_WITH_PAST: Recorder(math.ceil(steps / MAX_FEEDS))}
-    sinks = {g: [r] for g, r in recorders.items()}
-    feeds = drive_texts(pipe.runtime, texts, sinks, cfg, progress, "recording calibration feeds")
+    recorders = {g: Recorder(MAX_FEEDS, FEED_BYTES) for g in GRAPHS}
     report: dict = {}
     trials: list[dict] = []
     # Its INFO lines per trial are reported here instead; transformers warns each time it reads our config.json.
@@ -195,6 +181,8 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     try:
         with scratch_dir(tmp.parent) as scratch, _status(progress) as status:
             sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
+            feeds = drive_texts(src, sources, texts, {g: [r] for g, r in recorders.items()}, cfg, Path(scratch),
+                                progress, "recording calibration feeds")
             if cfg.embeddings:  # the same untied, smoothed fp32 graphs as untuned static int8 starts from
                 sources = {g: untied(p, Path(scratch)) for g, p in sources.items()}
             alpha = smoothing_alpha(cfg, is_gated(src))

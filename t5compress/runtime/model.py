@@ -303,6 +303,14 @@ def load_runtime(
     return rt
 
 
+def runtime_over(path: str | Path, backend: Backend) -> Seq2SeqRuntime:
+    """A runtime over graphs the caller opened (e.g. calibration's augmented ones), with the export dir's tokens,
+    generation defaults, input limit and memory check."""
+    p = Path(path)
+    tokens, defaults = read_generation_defaults(p)
+    return Seq2SeqRuntime(p, backend, tokens, defaults, shape=ModelShape.read(p))
+
+
 def _graph_runtime(path: Path, threads: int, providers: Sequence[str] | None, max_input_tokens, device: str,
                    io_binding: bool | None) -> Seq2SeqRuntime:
     """A runtime whose `generate` is one call of generator.onnx; the three graphs are not opened."""
