@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t5compress.quantize.calibrate import batches
+from t5compress.quantize.calibrate import RUN_TOKENS, batches
 
 CHECK_TEXTS = 200  # the texts the stage checks on (and a guided choice of groups is measured on)
 
@@ -49,7 +49,7 @@ def _loaded(chunk):
 
 def _references(fp32, texts: Sequence[str], batch_size: int, max_new_tokens: int) -> Iterator[tuple]:
     """Per batch of `texts`: (ids, mask, fp32's greedy sequence, encoder states, logits along it, live positions)."""
-    for chunk in batches(texts, batch_size):
+    for chunk in batches(texts, rows_for(fp32, texts, batch_size)):
         ids, mask = fp32.encode(chunk)
         seq = fp32.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)  # (batch, 1 + steps)
         hidden = _encode(fp32.backend.encoder, ids, mask)
@@ -94,9 +94,18 @@ def _decode(decoder, hidden: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> n
     return out["logits"].astype(np.float32)
 
 
+def rows_for(rt, texts: Sequence[str], batch_size: int) -> int:
+    """Rows per batch: `batch_size`, fewer when the longest text (as the runtime truncates it) would put more than
+    RUN_TOKENS input tokens in a batch (the encoder's attention scores grow with rows x length^2)."""
+    enc = rt.tokenize(list(texts))
+    longest = max(enc.lengths, default=1) if enc.limit is None else min(max(enc.lengths, default=1), enc.limit)
+    return max(1, min(batch_size, RUN_TOKENS // max(longest, 1)))
+
+
 def greedy_outputs(rt, texts: Sequence[str], batch_size: int = 32, max_new_tokens: int = 32) -> list[str]:
     """Greedy outputs in the order of `texts` (batched by length, so padding stays small)."""
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    batch_size = rows_for(rt, texts, batch_size)
     out: list[str] = [""] * len(texts)
     for i in range(0, len(order), batch_size):
         idx = order[i : i + batch_size]

@@ -70,10 +70,20 @@ class Ranges:
 
         if self.collector is not None:
             return list(self.tensors)
-        for t in self.tensors:
-            model.graph.node.extend([helper.make_node("ReduceMin", [t], [t + "_ReduceMin"], keepdims=1),
-                                     helper.make_node("ReduceMax", [t], [t + "_ReduceMax"], keepdims=1)])
-        return [t + suffix for t in self.tensors for suffix in ("_ReduceMin", "_ReduceMax")]
+        wanted = set(self.tensors)
+
+        def reduce(tensors) -> list:
+            return [helper.make_node(op, [t], [f"{t}_{op}"], keepdims=1) for t in tensors if t in wanted
+                    for op in ("ReduceMin", "ReduceMax")]
+
+        # each reduction right after what it reads: ONNX Runtime runs nodes in about this order and frees a tensor
+        # after its last reader, so reductions at the end kept every activation of the graph alive at once
+        nodes = reduce(i.name for i in model.graph.input)
+        for node in model.graph.node:
+            nodes += [node, *reduce(node.output)]
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        return [f"{t}_{op}" for t in self.tensors for op in ("ReduceMin", "ReduceMax")]
 
     def __call__(self, feeds: dict[str, np.ndarray], values: dict[str, np.ndarray]) -> None:
         if self.collector is not None:
