@@ -8,7 +8,7 @@ called in turn (so load from other processes hits both alike), pinned thread cou
     .venv/bin/python benchmarks/decoder_layouts.py                     # t5-small shape, random weights
     .venv/bin/python benchmarks/decoder_layouts.py --export-dir DIR    # an existing `--decoders both` export
 
-Writes benchmarks/results/decoder_layouts.json and .md.
+Writes benchmarks/results/current/decoder_layouts.json and .md.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def main() -> None:
             print(layout, cases, flush=True)
     results = {"arch": args.arch, "threads": args.threads, "tokens": args.tokens, "repeat": args.repeat,
                "layouts": rows}
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
+    out = ROOT / "results" / "current"
+    out.mkdir(parents=True, exist_ok=True)
     (out / "decoder_layouts.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [f"{args.arch} shape, random weights, {args.threads} thread(s), {args.tokens} in / {args.tokens} out, "
              f"median per generate call over {args.repeat} interleaved calls: CPU ms (wall ms)", "",

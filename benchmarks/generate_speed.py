@@ -17,9 +17,9 @@ Peers need `make bench-env` (run it there, or give --peer-python .venv-bench/bin
     .venv-bench/bin/python benchmarks/generate_speed.py --quick   # t5-small, 1 thread, 2 repeats
     python benchmarks/generate_speed.py --rerender                 # the Markdown again from bench_goals.json
 
-Writes benchmarks/results/bench_goals/<shape>/ (bench.json, report.md, plots) and a summary,
-benchmarks/results/bench_goals.{json,md} (--quick: under benchmarks/results/quick/). With --profile, also where our
-int8 runtime's time goes per step (profile_steps.py).
+Writes benchmarks/results/current/bench_goals/<shape>/ (bench.json, report.md, plots) and a summary,
+benchmarks/results/current/bench_goals.{json,md} (--quick: under benchmarks/results/current/quick/). With --profile,
+also where our int8 runtime's time goes per step (profile_steps.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.threads, args.repeats, args.calib_samples = SHAPES[:1], [1], 2, 16
-    out = args.out or (ROOT / "results" / ("quick" if args.quick else ""))
+    out = args.out or (ROOT / "results" / "current" / ("quick" if args.quick else ""))
     if args.rerender:
         rerender(out)
         return

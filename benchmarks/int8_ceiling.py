@@ -10,7 +10,7 @@ outputs on the fixture's held-out inputs are compared with fp32's, beside the st
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_ceiling.py runs/int8-gated/fixture runs/int8-gated-doc150/fixture
 
-Writes benchmarks/results/int8_ceiling.json and .md.
+Writes benchmarks/results/current/int8_ceiling.json and .md.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("fixtures", type=Path, nargs="+", help="fixture dirs written by int8_gated.py")
     ap.add_argument("--heldout", type=int, default=2000)
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     args = ap.parse_args()
     from t5compress import artifacts
     from t5compress.cpu import cpu_features

@@ -9,18 +9,18 @@ not perfect, skill. The flan-t5-small shape is random weights (speed and size me
     PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/int8_gated.py      # ~15-25 min on 2 busy cores
 
 The docstring fixture of modest skill, on which the previous default (per-token `wo` and LM head only) fails the
-stage's 0.9 next-token check and the smoothed per-token default passes (results/int8_gated_docstring150.md):
+stage's 0.9 next-token check and the smoothed per-token default passes (results/current/int8_gated_docstring150.md):
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_gated.py --work runs/int8-gated-doc150 --task docstring \
         --pretrain-steps 300 --finetune-steps 150 --skip-flan --heldout 1000 --name int8_gated_docstring150
 
-The docstring fixture trained to real skill (ROUGE-L 50; results/int8_gated_docstring_long.md), on which the
+The docstring fixture trained to real skill (ROUGE-L 50; results/archive/int8_gated_docstring_long.md), on which the
 earlier defaults fail the check on held-out texts and the default with held-out texts keeps the fewest groups fp32:
 
     PYTHONPATH=. .venv/bin/python benchmarks/int8_gated.py --work runs/int8-gated-doclong --task docstring \
         --pretrain-steps 600 --finetune-steps 2400 --skip-flan --heldout 1000 --name int8_gated_docstring_long
 
-Writes benchmarks/results/int8_gated.json and .md.
+Writes benchmarks/results/current/int8_gated.json and .md.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def main() -> None:
     ap.add_argument("--task", choices=("demo", "docstring"), default="demo",
                     help="the fixture's task (see task_data); docstring: --pretrain-steps 300 --finetune-steps 1500")
     ap.add_argument("--name", default="int8_gated", help="file name of the results")
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     args = ap.parse_args()
     import torch
 

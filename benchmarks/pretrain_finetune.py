@@ -7,7 +7,7 @@ Same architecture (the demo's: t5-efficient-tiny, d_model 128, 2+2 layers), same
 
     PYTHONPATH=. .venv/bin/python benchmarks/pretrain_finetune.py       # ~6 min on 2 busy cores (1 thread)
 
-Writes benchmarks/results/pretrain_finetune.json and .md.
+Writes benchmarks/results/current/pretrain_finetune.json and .md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", default="bf16", help="pre-training precision (fine-tuning: the trainer default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     args = ap.parse_args()
 
     from t5compress import artifacts, pretrain

@@ -18,7 +18,7 @@ span-corrupted held-out batches after the same tokens.
 
     PYTHONPATH=. .venv/bin/python benchmarks/pretrain_speed.py --steps 60       # ~5 min on 2 busy cores
 
-Writes benchmarks/results/pretrain_speed.json and .md.
+Writes benchmarks/results/current/pretrain_speed.json and .md.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16", help="ours: bf16 (autocast) or fp32")
     ap.add_argument("--compile", action="store_true", help="ours: torch.compile (compile time counts as warm-up)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     ap.add_argument("--name", default="pretrain_speed", help="stem of the JSON and Markdown files")
     args = ap.parse_args()
 

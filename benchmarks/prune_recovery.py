@@ -33,7 +33,8 @@ step count, all from the same trained model, scored on the same held-out sentenc
         --name prune_recovery_d256_converged   # the trained base of docs/prune.md (~32 min, then ~9 min per 2,400)
 
 Training the base model takes ~9 min on 2 cores (once: OUT/base is reused), each row 1-4 min (more on a busy
-machine; iter2 evaluates after every step). Writes OUT/NAME.json and .md and copies them to benchmarks/results/.
+machine; iter2 evaluates after every step). Writes OUT/NAME.json and .md and copies them to
+benchmarks/results/current/.
 """
 
 from __future__ import annotations
@@ -224,9 +225,9 @@ def table(rows: list[dict], before: dict, ratio: float) -> list[str]:
 def write(summary: dict, md: list[str], out: Path, name: str) -> None:
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / f"{name}.md").write_text("\n".join(md) + "\n")
-    (ROOT / "results").mkdir(exist_ok=True)
+    (ROOT / "results" / "current").mkdir(parents=True, exist_ok=True)
     for ext in ("json", "md"):
-        shutil.copy(out / f"{name}.{ext}", ROOT / "results" / f"{name}.{ext}")
+        shutil.copy(out / f"{name}.{ext}", ROOT / "results" / "current" / f"{name}.{ext}")
     print("\n".join(md))
 
 

@@ -9,7 +9,7 @@ excluded, median and p90 per call, all side by side in one process.
     .venv/bin/python benchmarks/prune_speed.py            # ~5 min on 2 cores
     .venv/bin/python benchmarks/prune_speed.py --repeat 3 --threads 1
 
-Writes benchmarks/results/prune_speed.json and .md.
+Writes benchmarks/results/current/prune_speed.json and .md.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     ap.add_argument("--int8", action="store_true", help="also each variant's dynamic int8 export")
     ap.add_argument("--ctranslate2", action="store_true", help="also CTranslate2 int8 of the unpruned model (the "
                                                                "issue's reference; needs `make bench-env`)")

@@ -9,7 +9,7 @@ and scores every ONNX dir with the t5compress runtime (greedy) on the same held-
 
     .venv/bin/python benchmarks/qat_accuracy.py --out runs/qat-bench     # ~10 min on 2 busy cores
 
-Writes OUT/qat_accuracy.json and .md (and copies them to benchmarks/results/).
+Writes OUT/qat_accuracy.json and .md (and copies them to benchmarks/results/current/).
 """
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ def main() -> None:
     text = json.dumps(summary, indent=2, default=str)
     (out / "qat_accuracy.json").write_text(text)
     (out / "qat_accuracy.md").write_text("\n".join(md) + "\n")
-    (ROOT / "results").mkdir(exist_ok=True)
-    shutil.copy(out / "qat_accuracy.json", ROOT / "results" / "qat_accuracy.json")
-    shutil.copy(out / "qat_accuracy.md", ROOT / "results" / "qat_accuracy.md")
+    (ROOT / "results" / "current").mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / "qat_accuracy.json", ROOT / "results" / "current" / "qat_accuracy.json")
+    shutil.copy(out / "qat_accuracy.md", ROOT / "results" / "current" / "qat_accuracy.md")
     print("\n".join(md))
     print(json.dumps({k: summary[k] for k in ("qat_parity", "size_ratio_int8_vs_fp32", "seconds")}, indent=1))
 

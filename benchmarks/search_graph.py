@@ -7,7 +7,7 @@ tokens and exactly 32 output tokens (min_new_tokens = max_new_tokens), a warm-up
 
     .venv/bin/python benchmarks/search_graph.py --export fp32=DIR --export int8=DIR2 --threads 1
 
-Writes benchmarks/results/search_graph.json and .md (`--name` changes the stem).
+Writes benchmarks/results/current/search_graph.json and .md (`--name` changes the stem).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
     for label, v in results["variants"].items():
         md += [f"| {label} | {c['batch']} | {c['beams']} | {c['python_ms']} | {c['graph_ms']} | {c['speedup']}x | "
                f"{c['identical_rows']}/{c['rows']} |" for c in v["cells"]]
-    out = ROOT / "results" / args.name
+    out = ROOT / "results" / "current" / args.name
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

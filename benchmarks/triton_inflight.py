@@ -18,7 +18,7 @@ text, and a piece would wait for a printable one); shapes and ops are t5-small's
     .venv/bin/python benchmarks/triton_inflight.py            # ~4 min on 2 cores (two exports ~2 min)
     .venv/bin/python benchmarks/triton_inflight.py --quick
 
-Needs `make triton-env`. Writes benchmarks/results/triton_inflight.json and .md.
+Needs `make triton-env`. Writes benchmarks/results/current/triton_inflight.json and .md.
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def main() -> None:
     b, i = results["batch"], results["inflight"]
     results["short_p50_speedup"] = round(b["short_p50_ms"] / i["short_p50_ms"], 2)
     results["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at end"
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
+    out = ROOT / "results" / "current"
+    out.mkdir(parents=True, exist_ok=True)
     (out / "triton_inflight.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "triton_inflight.md").write_text(markdown(results))
     print(markdown(results))

@@ -18,7 +18,7 @@ exported, made static int8, written as a `--portable` repository and served by a
     .venv/bin/python benchmarks/triton_soak.py                      # ~3-5 min on 2 cores
     .venv/bin/python benchmarks/triton_soak.py --requests 200 --clients 4 --out /tmp/soak
 
-Needs `make triton-env`. Writes benchmarks/results/triton_soak.json and .md (or under --out).
+Needs `make triton-env`. Writes benchmarks/results/current/triton_soak.json and .md (or under --out).
 """
 
 from __future__ import annotations
@@ -482,7 +482,7 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=3.0, help="seconds of load before the kill")
     ap.add_argument("--recovery-requests", type=int, default=50, help="requests that must all succeed after recovery")
     ap.add_argument("--workdir", type=Path, help="model, export, repository and server log (default: a temp dir)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results", help="where triton_soak.json and .md go")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current", help="where triton_soak.json and .md go")
     args = ap.parse_args()
     args.name = "t5"
 
@@ -508,9 +508,10 @@ def main() -> None:
     try:
         load = Load(server, args.name, texts, want, args.timeout, settings)
         at_ready = server_memory(server.pid)
-        # Warm-up, not counted: measured here (results/triton_soak_long.md), the server's RSS jumps by ~180 MB in
-        # the first few hundred requests (tritonserver itself more than doubles, each stub grows by tens of MB;
-        # likely allocator arenas and buffers for new batch shapes), then creeps up by ~4-6 MB per 1000 requests.
+        # Warm-up, not counted: measured here (results/archive/triton_soak_long.md), the server's RSS jumps by
+        # ~180 MB in the first few hundred requests (tritonserver itself more than doubles, each stub grows by tens
+        # of MB; likely allocator arenas and buffers for new batch shapes), then creeps up by ~4-6 MB per 1000
+        # requests.
         # A "before" taken after a few requests would mostly measure that first jump.
         say(f"ready (pid {server.pid}), RSS {at_ready['total_mb']} MB; warm-up: {args.warmup} requests")
         warm = load.run(args.warmup, args.clients, args.max_seconds)[0]

@@ -12,7 +12,7 @@ and batch 8) give the server's overhead per request and the throughput a server 
     .venv/bin/python benchmarks/triton_throughput.py            # ~4-6 min on 2 cores (export ~1 min)
     .venv/bin/python benchmarks/triton_throughput.py --quick    # fewer rounds and requests
 
-Needs `make triton-env`. Writes benchmarks/results/triton_throughput.json and .md.
+Needs `make triton-env`. Writes benchmarks/results/current/triton_throughput.json and .md.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def main() -> None:
         run(export_dir, cfg, repo, force=True, progress=False)
         results[flavour] = serve(flavour, repo, work, rt, inputs, gen, rounds, sequential, concurrent, args)
         results[flavour]["cpu_ms_per_request"]["local_runtime"] = round(local_cpu_ms, 1)
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
+    out = ROOT / "results" / "current"
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
     text = "\n".join(markdown(r) for r in results.values()) + summary(results)
     (out / f"{args.name}.md").write_text(text)

@@ -11,7 +11,7 @@ thread, batch 1 and 8, greedy, 32 tokens in, exactly 32 out.
     .venv/bin/python benchmarks/vocab_speed.py               # ~8 min on 2 cores (3 timed repeats per cell)
     .venv/bin/python benchmarks/vocab_speed.py --repeats 5
 
-Writes benchmarks/results/vocab_speed.json (the build facts and the whole bench report) and vocab_speed.md.
+Writes benchmarks/results/current/vocab_speed.json (the build facts and the whole bench report) and vocab_speed.md.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=60000, help="corpus sentences the tokenizer is trained on")
     ap.add_argument("--calib-samples", type=int, default=16, help="texts each static int8 is calibrated on")
     ap.add_argument("--peer-python", default=None, help="interpreter for the CTranslate2 peer if not importable here")
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     args = ap.parse_args()
     from t5compress.bench import BenchConfig
     from t5compress.bench import run as bench

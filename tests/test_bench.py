@@ -438,7 +438,8 @@ def test_expect_in_a_recipe_is_a_list_of_key_ratio_strings():
 def test_an_old_bench_json_with_goals_renders_and_rerenders_in_todays_format(tmp_path):
     from t5compress.bench.report import markdown, rerender
 
-    old = json.loads((Path(__file__).parents[1] / "benchmarks/results/before_issue19/bench_goals.json").read_text())
+    old = Path(__file__).parents[1] / "benchmarks/results/archive/before_issue19/bench_goals.json"
+    old = json.loads(old.read_text())
     old = old["shapes"]["t5-small"]
     assert "goals" in old and "speedups" not in old
     md = markdown(old)

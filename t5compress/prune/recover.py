@@ -71,7 +71,7 @@ def recovery_lr(cfg: RecoverConfig, d_model: int) -> float:
     Adam's usable step falls with width. At d128, 2e-3 won back the most. At d256, 2e-3 lost 13.9% in 600 steps where
     1e-3 lost 5.3% and 5e-4 5.8% (three seeds, an under-trained base); over the 4,800 steps of the default, against a
     base trained to the end of its schedule, 5e-4 ended 0.1 / 0.7% below it (two seeds, eval loss 3.13 / 3.16) where
-    1e-3 ended 4.5 / 1.7% below (loss 3.27 / 3.28): the long run wants the smaller step (benchmarks/results/
+    1e-3 ended 4.5 / 1.7% below (loss 3.27 / 3.28): the long run wants the smaller step (benchmarks/results/current/
     prune_recovery_d256_converged_4800*.md)."""
     if not cfg.lr_per_width:
         return cfg.train.lr
