@@ -9,7 +9,7 @@ for time and memory, not accuracy), with its wall time and peak resident memory.
 Every stage is a separate `t5compress` process; its peak RSS is the kernel's (`wait4`'s ru_maxrss), its time the
 wall clock. Calibration texts are generated words, one byte a token under the byte-level tokenizer the shapes are
 built with (so a 512-character text is 512 tokens), longer than `--tokens` is cut by the model's limit.
-Writes benchmarks/results/scale/scale.{json,md}, stamped with commit, date, machine and the commands.
+Writes benchmarks/results/current/scale/scale.{json,md}, stamped with commit, date, machine and the commands.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-OUT = ROOT / "results" / "scale"
+OUT = ROOT / "results" / "current" / "scale"
 CLI = [sys.executable, "-m", "t5compress.cli"]
 
 

@@ -78,6 +78,13 @@ def d(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
         for g in PT_GRAPHS:
             make(p[name] / g)
 
+    # config.json of a t5-xxl shape (11B parameters, ~45 GB fp32) over the tiny weights: refused before loading
+    from t5compress.model.architectures import architecture
+
+    for name, src in (("xxl_model", tiny_model_dir), ("xxl_export", p["export"])):
+        p[name] = _copy(src, base / name)
+        config = json.loads((p[name] / "config.json").read_text())
+        (p[name] / "config.json").write_text(json.dumps({**config, **architecture("t5-xxl")}))
     p["data"] = base / "train.jsonl"
     p["data"].write_text("".join(json.dumps({"source": f"s{i}", "target": f"t{i}"}) + "\n" for i in range(20)))
     p["latin1"] = base / "latin1.txt"
@@ -150,6 +157,9 @@ CASES = [
      "max_input_tokens", None),
     ("generate-huge-output", "generate {export} hello --max-new-tokens 1000000000000", "max_new_tokens: "
      "1,000,000,000,000 new tokens (batch 1, 1 beam) need about", None),
+    ("export-larger-than-the-machine", "export {xxl_model} {out}", "(11.27B parameters) needs about", None),
+    ("quantize-larger-than-the-machine", "quantize {xxl_export} {out} --dynamic", "GB to quantize; this machine has",
+     None),
     ("generate-min-above-max", "generate {export} hello --min-new-tokens 10 --max-new-tokens 2",
      "min_new_tokens: 10 is more than max_new_tokens (2)", None),
     # 6. architecture overrides

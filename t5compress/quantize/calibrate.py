@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 Feeds = dict[str, np.ndarray]
 TEXT_SUFFIXES = (".txt", ".text")
 RUN_TOKENS = 4096  # input tokens per run: bounds the activations (attention scores grow with rows x length^2)
-RUN_BYTES = 256 << 20  # extra tensors one run may return (full activations for histograms and Gram matrices)
+RUN_BYTES = 256 << 20  # what one run may return (full activations for histograms and GPTQ; a first step's cache)
 
 
 class Statistic(Protocol):
@@ -66,7 +66,7 @@ def load_texts(src: str | Path, field: str = "source", prefix: str = "", samples
 class TapGraph:
     """One exported graph, augmented with what its `stats` read, run as the runtime's graph: each run's inputs and
     those tensors go to the statistics, the graph's own outputs to the runtime. A run is split by rows so that it
-    holds at most `tokens` input tokens and returns at most `budget` bytes of extra tensors."""
+    computes at most `tokens` tokens and returns at most `budget` bytes (its outputs and the extra tensors)."""
 
     def __init__(self, path: Path, stats: Sequence[Statistic], work: Path, threads: int, tokens: int = RUN_TOKENS,
                  budget: int = RUN_BYTES):
@@ -94,33 +94,40 @@ class TapGraph:
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.fetch = [*self.output_names, *extra]
         self.tokens, self.budget = tokens, budget
-        self.token_bytes: float | None = None  # extra bytes per input token, learnt from the first run
+        self.context_bytes: float | None = None  # bytes a run returns per row and encoder token, learnt as it runs
         self.calls = 0
 
     def run(self, feeds: Feeds) -> Feeds:
         own = {n: feeds[n] for n in self.input_names}
-        rows, length = own["input_ids"].shape
-        outs, i = [], 0
+        rows, length = own["input_ids"].shape  # length: the tokens each row computes (1 in a decoder step)
+        context = max(v.shape[1] for v in own.values() if v.ndim in (2, 3))  # the encoder's length, in every graph
+        merged, i = None, 0
         while i < rows:
-            step = self._rows(length)
-            part = own if i == 0 and step >= rows else {k: v[i:i + step] for k, v in own.items()}
-            i += step
+            step = min(self._rows(length, context), rows - i)
+            part = own if step == rows else {k: v[i:i + step] for k, v in own.items()}
             values = dict(zip(self.fetch, self.session.run(self.fetch, part), strict=True))
             for stat, names in zip(self.stats, self.reads, strict=True):
                 stat(part, {n: values[n] for n in names})
-            extra = sum(v.nbytes for n, v in values.items() if n not in self.output_names)
-            self.token_bytes = max(self.token_bytes or 0.0, extra / (len(part["input_ids"]) * length))
-            outs.append([values[n] for n in self.output_names])
+            returned = sum(v.nbytes for v in values.values()) / (step * context)
+            self.context_bytes = max(self.context_bytes or 0.0, returned)
+            if step == rows:
+                merged = [values[n] for n in self.output_names]
+            else:  # filled in place: concatenating the parts would hold the whole output twice
+                if merged is None:
+                    merged = [np.empty((rows, *values[n].shape[1:]), values[n].dtype) for n in self.output_names]
+                for out, n in zip(merged, self.output_names, strict=True):
+                    out[i:i + step] = values[n]
+            i += step
         self.calls += 1
-        merged = outs[0] if len(outs) == 1 else [np.concatenate(parts) for parts in zip(*outs, strict=True)]
         return dict(zip(self.output_names, merged, strict=True))
 
-    def _rows(self, length: int) -> int:
-        """Rows per run: within the token budget, and (once a run has shown its size) within the byte budget;
-        one row until then when the statistics read any tensor."""
-        if self.token_bytes is None:
-            return 1 if any(self.reads) else max(1, self.tokens // length)
-        by_bytes = self.budget // max(self.token_bytes * length, 1.0)
+    def _rows(self, length: int, context: int) -> int:
+        """Rows per run: at most `tokens` computed tokens, and at most `budget` bytes returned (outputs and extra
+        tensors: the first decoder step returns the whole cross-attention cache); one row until a run has shown
+        how many bytes a row returns."""
+        if self.context_bytes is None:
+            return 1
+        by_bytes = self.budget // max(self.context_bytes * context, 1.0)
         return int(max(1, min(self.tokens // length, by_bytes)))
 
 
@@ -139,9 +146,11 @@ def drive(src: Path, graphs: dict[str, Path], texts: Sequence[str], stats: dict[
 
     Returns the number of feeds each graph saw. Texts longer than the model's input limit are truncated as
     `generate` truncates them, and said so in one warning."""
+    from t5compress.runtime.limits import release_memory
     from t5compress.runtime.model import runtime_over
     from t5compress.runtime.sessions import Backend
 
+    release_memory()  # what rewriting the graphs left (untied, smoothed copies)
     taps = {g: TapGraph(graphs[g], stats.get(g, []), work, threads) for g in GRAPHS}
     runtime = runtime_over(src, Backend("onnx", taps[ENCODER], taps[DECODER], taps[DECODER_WITH_PAST]))
     cut = 0
@@ -154,7 +163,10 @@ def drive(src: Path, graphs: dict[str, Path], texts: Sequence[str], stats: dict[
     if cut:
         log.warning("%d of %d calibration texts are longer than the model's %d-token input limit and were truncated "
                     "to it, as generate does", cut, len(texts), runtime.max_input_tokens)
-    return {name: tap.calls for name, tap in taps.items()}
+    calls = {name: tap.calls for name, tap in taps.items()}
+    del taps, runtime
+    release_memory()  # the sessions and their buffers, before the next phase loads its own
+    return calls
 
 
 class Snapshot:

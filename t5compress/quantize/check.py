@@ -64,7 +64,7 @@ def _compare(fp32, chunks, encoder=None, decoder=None) -> dict:
     for ids, mask, seq, hidden, ref, live in chunks:
         if encoder is not None:
             hidden = _encode(encoder, ids, mask)
-        got = _decode(decoder or fp32.backend.decoder, hidden, mask, seq)  # (batch, steps, vocab)
+        got = _decode(decoder if decoder is not None else fp32.backend.decoder, hidden, mask, seq)
         same = ref.argmax(-1) == got.argmax(-1)
         agree += int((same & live).sum())
         total += int(live.sum())
@@ -75,13 +75,6 @@ def _compare(fp32, chunks, encoder=None, decoder=None) -> dict:
         rows += len(ids)
     return {"next_token_agreement": round(agree / max(total, 1), 4), "positions": total,
             "max_rel_logit_error": round(worst_rel, 4), "mean_rel_logit_error": round(sum_rel / max(rows, 1), 4)}
-
-
-def teacher_forced(fp32, int8, texts: Sequence[str], batch_size: int = 16, max_new_tokens: int = 32) -> dict:
-    """Next-token agreement and logit error of `int8` against `fp32` (two runtimes) along fp32's greedy outputs,
-    a batch at a time (nothing kept)."""
-    return _compare(fp32, _references(fp32, texts, batch_size, max_new_tokens), int8.backend.encoder,
-                    int8.backend.decoder)
 
 
 def _encode(encoder, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ inputs make of them, so that a layer's outputs on real inputs move less than wit
 
 With int8 activations taken per token, what static int8 still loses on the gated fixtures is mostly the weights'
 rounding: weights alone rounded to nearest (activations fp32) kept 95.5% / 76.4% of the demo / docstring fixture's
-held-out greedy outputs, rounded by GPTQ 98.2% / 86.1% (benchmarks/results/int8_ceiling.md). With the rows int8
+held-out greedy outputs, rounded by GPTQ 98.2% / 86.1% (benchmarks/results/current/int8_ceiling.md). With the rows int8
 too, GPTQ kept 95.9% / 73.6% against 95.2% / 72.1% rounded to nearest (docs/quantize.md).
 """
 

@@ -58,7 +58,7 @@ def smoothing_alpha(cfg, gated: bool) -> float:
 
     Per-token scales follow each row's size but not a channel's: on the trained gated fixture the few outlier
     channels of the layer-norm outputs still cost held-out outputs until migrated into the weights
-    (benchmarks/results/int8_gated.md)."""
+    (benchmarks/results/current/int8_gated.md)."""
     if cfg.smooth_alpha is not None:
         return cfg.smooth_alpha
     if cfg.mode == "blockwise":  # a block's scale follows its largest channel: move outliers out when data is given

@@ -42,6 +42,7 @@ from t5compress.quantize.sources import (
     smoothing_alpha,
     untied,
 )
+from t5compress.runtime.limits import check_stage_fits
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class QuantizeConfig:
     field: str = opt("source", "Field of the calibration and eval records holding the input text.")
     prefix: str = opt("", "Task prefix added to every calibration and eval text, as in `train`.")
     samples: int = opt(128, "Calibration texts used (the file must hold at least this many).")
-    batch_size: int = opt(16, "Calibration texts generated together.")
+    batch_size: int = opt(16, "Calibration texts generated together (each graph run is split to hold at most 4096 "
+                              "input tokens).")
     max_new_tokens: int = opt(32, "Tokens generated per calibration text (decoder steps calibrated).")
     method: str = opt("minmax", "Calibration method: minmax, entropy or percentile.")
     percentile: float = opt(99.999, "Percentile kept by the percentile method.")
@@ -193,6 +195,7 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, *, 
     out = artifacts.check_output(out, force, inputs=[src, cfg])
     src = Path(src)
     check_export_dir(src)
+    check_stage_fits("quantize", src / "config.json", f"'{src}'")
     texts = load_texts(cfg.calib_data, cfg.field, cfg.prefix, cfg.samples) if cfg.calib_data else None
     evalset = _eval_examples(cfg) if cfg.eval_data else None
     checked = _check_texts(cfg, texts, evalset)
@@ -436,23 +439,33 @@ def _check_texts(cfg: QuantizeConfig, texts: list[str] | None, evalset) -> tuple
 
 def _check(src: Path, out: Path, cfg: QuantizeConfig, checked: tuple[list[str] | None, str], evalset) -> dict:
     """Teacher-forced agreement (thresholded) and greedy agreement on the `checked` texts, and task metrics, of
-    fp32 vs int8."""
+    fp32 vs int8. fp32's side is computed first and kept on disk, so the two runtimes are never loaded together."""
     from t5compress import metrics
-    from t5compress.quantize.check import CHECK_TEXTS, agreement, greedy_outputs, teacher_forced
+    from t5compress.quantize.check import CHECK_TEXTS, Reference, agreement, greedy_outputs
+    from t5compress.quantize.methods import scratch_dir
     from t5compress.runtime import load_runtime
+    from t5compress.runtime.limits import release_memory
 
-    fp32, int8 = load_runtime(src, threads=cfg.threads), load_runtime(out, threads=cfg.threads)
+    fp32 = load_runtime(src, threads=cfg.threads)
     check_texts, on = checked
     if check_texts is None:
         check_texts, on = _probe_texts(fp32), "generated probe texts"
     check_texts = check_texts[:CHECK_TEXTS]
+    sources = checked[0] if evalset else None  # the eval texts (see _check_texts)
+    every = sources is not None and len(sources) == len(check_texts)  # the check reads every eval text
     a = greedy_outputs(fp32, check_texts, max_new_tokens=cfg.max_new_tokens)
-    try:
-        tf = teacher_forced(fp32, int8, check_texts, cfg.batch_size, cfg.max_new_tokens)
-        b = greedy_outputs(int8, check_texts, max_new_tokens=cfg.max_new_tokens)
-    except Exception as e:  # onnxruntime's own types: an int8 graph that cannot even run is a broken quantization
-        raise QuantizeError(f"the int8 graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
-                            "nothing was written") from e
+    p32 = a if every else greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens) if evalset else None
+    with scratch_dir(out.parent) as scratch:
+        reference = Reference(fp32, check_texts, cfg.batch_size, cfg.max_new_tokens, store=Path(scratch))
+        reference.fp32 = fp32 = None  # on disk now; compare is given both int8 graphs
+        release_memory()
+        int8 = load_runtime(out, threads=cfg.threads)
+        try:
+            tf = reference.compare(int8.backend.encoder, int8.backend.decoder)
+            b = greedy_outputs(int8, check_texts, max_new_tokens=cfg.max_new_tokens)
+        except Exception as e:  # onnxruntime's own types: an int8 graph that cannot even run is a broken quantization
+            raise QuantizeError(f"the int8 graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
+                                "nothing was written") from e
     result = {"check": {**tf, "greedy_agreement": agreement(a, b), "texts": len(check_texts), "on": on,
                         "min_agreement": cfg.min_agreement}}
     if tf["next_token_agreement"] < cfg.min_agreement:
@@ -462,12 +475,8 @@ def _check(src: Path, out: Path, cfg: QuantizeConfig, checked: tuple[list[str] |
             f"nodes fp32, or another --method); nothing was written"
         )
     if evalset:
-        sources, targets = checked[0], [e.target for e in evalset]  # the eval texts (see _check_texts)
-        if len(sources) == len(check_texts):  # the check read every eval text: its outputs are these
-            p32, p8 = a, b
-        else:
-            p32 = greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens)
-            p8 = greedy_outputs(int8, sources, max_new_tokens=cfg.max_new_tokens)
+        targets = [e.target for e in evalset]
+        p8 = b if every else greedy_outputs(int8, sources, max_new_tokens=cfg.max_new_tokens)
         result["eval"] = {"fp32": metrics.compute(p32, targets), "int8": metrics.compute(p8, targets),
                           "greedy_agreement": agreement(p32, p8), "examples": len(evalset), "data": cfg.eval_data}
     return result

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from t5compress.errors import ConfigError, DataError
+from t5compress.errors import ConfigError, DataError, ModelError
 
 FLOAT = 4  # bytes per activation (fp16 exports use less: the estimate errs high)
 TOKEN = 8  # int64 token ids
@@ -101,6 +101,54 @@ def check_fits(m: ModelShape | None, batch: int, beams: int, input_len: int, max
     fits = _largest(lambda n: generation_bytes(m, batch, beams, input_len, n) <= available, max_new)
     raise ConfigError(f"max_new_tokens: {max_new:,} new tokens {what} need about {_size(need)}, {have}; at most "
                       f"{fits:,} fit")
+
+
+def parameters(config: dict) -> int:
+    """About the parameter count of a T5 config: the embedding (and the LM head when untied), attention, FFN, norms."""
+    d, ff = int(config["d_model"]), int(config["d_ff"])
+    inner = int(config["num_heads"]) * int(config["d_kv"])
+    enc = int(config["num_layers"])
+    dec = int(config.get("num_decoder_layers") or enc)
+    ffn = (3 if str(config.get("feed_forward_proj", "relu")).startswith("gated") else 2) * d * ff
+    embeddings = int(config["vocab_size"]) * d * (1 if config.get("tie_word_embeddings", True) else 2)
+    return embeddings + enc * (4 * d * inner + ffn + 2 * d) + dec * (8 * d * inner + ffn + 3 * d)
+
+
+# Peak resident memory of a stage: a fixed part (the interpreter, torch or ONNX Runtime, working buffers) plus a
+# multiple of the fp32 weights, measured on t5-small, t5-base and t5-large shapes (benchmarks/results/current/scale/).
+STAGE_MEMORY = {
+    "export": (1.5 * 2**30, 3.3),  # the PyTorch model, its traced copy, the ONNX graphs and their check
+    "quantize": (1.0 * 2**30, 4.0),  # the fp32 graphs run once while calibrating, then fp32 and int8 side by side
+}
+
+
+def check_stage_fits(stage: str, config_file: Path, name: str, available: int | None = None) -> None:
+    """Refuse, before anything is loaded, a model whose `stage` needs more memory than this machine has available
+    (one ModelError line naming both); a missing or unreadable config.json is left to the stage's own checks."""
+    try:
+        params = parameters(json.loads(config_file.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    base, factor = STAGE_MEMORY[stage]
+    need = base + factor * FLOAT * params
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        raise ModelError(f"{name} ({params / 1e9:.2f}B parameters) needs about {need / 2**30:.0f} GB to {stage}; this "
+                         f"machine has {available / 2**30:.1f} GB available (use a machine with more memory, or a "
+                         f"smaller model)")
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the system (glibc keeps it otherwise: after calibrating a t5-base shape, 1.3
+    GB of freed buffers stayed resident into the next phase). A no-op where there is no glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _largest(fits, upper: int) -> int:
