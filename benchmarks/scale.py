@@ -5,6 +5,7 @@ for time and memory, not accuracy), with its wall time and peak resident memory.
                                                                 # and 128 texts of 512 tokens, dynamic int8
     python benchmarks/scale.py --shapes t5-small --texts 16 48  # a quick one
     python benchmarks/scale.py --rerender                       # the Markdown again from scale.json
+    python benchmarks/scale.py --stages static --append         # redo some rows, keep the others
 
 Every stage is a separate `t5compress` process; its peak RSS is the kernel's (`wait4`'s ru_maxrss), its time the
 wall clock. Calibration texts are generated words, one byte a token under the byte-level tokenizer the shapes are
@@ -109,10 +110,11 @@ def render(result: dict) -> str:
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_mb']} MB, {' '.join(m['flags'])}; Python "
              f"{m['python']}. Random-weight shapes, byte-level tokenizer (a character is a token). Each stage is "
              "its own `t5compress` process; peak RSS is the kernel's.", "",
-             "| shape | stage | texts x tokens | s | peak RSS MB | rc |", "|---|---|---|---:|---:|---:|"]
+             "| shape | stage | texts x tokens | s | peak RSS MB | rc | commit |", "|---|---|---|---:|---:|---:|---|"]
     for r in result["rows"]:
         tx = f"{r['texts']} x {r['tokens']}" if "texts" in r else ""
-        lines.append(f"| {r['shape']} | {r['stage']} | {tx} | {r['seconds']:.1f} | {r['peak_rss_mb']:,} | {r['rc']} |")
+        lines.append(f"| {r['shape']} | {r['stage']} | {tx} | {r['seconds']:.1f} | {r['peak_rss_mb']:,} | {r['rc']} "
+                     f"| {r.get('commit', result['commit'])} |")
     lines += ["", "Commands:", "", "```"] + [r["command"] for r in result["rows"]] + ["```", ""]
     return "\n".join(lines)
 
@@ -126,16 +128,22 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("runs/scale"))
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--rerender", action="store_true")
+    ap.add_argument("--append", action="store_true", help="keep the rows of scale.json this run does not redo")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.rerender:
         result = json.loads((args.out / "scale.json").read_text())
     else:
+        old = json.loads((args.out / "scale.json").read_text())["rows"] if args.append else []
         result = {**stamp(), "rows": []}
         for shape in args.shapes:
             work = args.work / shape
             work.mkdir(parents=True, exist_ok=True)
-            result["rows"] += run(shape, work, args.texts, args.tokens, args.stages, work / "log.txt")
+            rows = [{**r, "commit": result["commit"]} for r in run(shape, work, args.texts, args.tokens, args.stages,
+                                                                 work / "log.txt")]
+            done = {(r["shape"], r["stage"], r.get("texts")) for r in rows}
+            result["rows"] = [r for r in old if (r["shape"], r["stage"], r.get("texts")) not in done] + rows
+            old = result["rows"]
             (args.out / "scale.json").write_text(json.dumps(result, indent=1))
     (args.out / "scale.md").write_text(render(result))
     print(render(result))

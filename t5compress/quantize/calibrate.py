@@ -83,7 +83,7 @@ class TapGraph:
         extra = [n for n in dict.fromkeys(n for r in self.reads for n in r) if n not in self.output_names]
         model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in extra)
         tapped = work / f"{path.stem}.tap{id(self):x}.onnx"
-        save_graph(model, tapped)
+        save_graph(model, tapped, external=True)  # one serialised copy less, and ONNX Runtime maps the weights in
         del model
         options = session_options(threads)
         options.enable_cpu_mem_arena = False  # an arena keeps its largest size for good (it grew with the texts)
