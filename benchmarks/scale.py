@@ -115,6 +115,7 @@ def render(result: dict) -> str:
         tx = f"{r['texts']} x {r['tokens']}" if "texts" in r else ""
         lines.append(f"| {r['shape']} | {r['stage']} | {tx} | {r['seconds']:.1f} | {r['peak_rss_mb']:,} | {r['rc']} "
                      f"| {r.get('commit', result['commit'])} |")
+    lines += [""] + [f"- {n}" for n in result.get("notes", [])] if result.get("notes") else []
     lines += ["", "Commands:", "", "```"] + [r["command"] for r in result["rows"]] + ["```", ""]
     return "\n".join(lines)
 
