@@ -19,9 +19,11 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -78,30 +80,84 @@ def texts(n: int, tokens: int, path: Path) -> Path:
     return path
 
 
-def run(shape: str, work: Path, text_counts: list[int], tokens: int, stages: list[str], log: Path) -> list[dict]:
-    rows = []
+def data(n: int, tokens: int, path: Path) -> Path:
+    """`n` JSON Lines records: a source of about `tokens` characters, a target of about 64 (prune's data)."""
+    lines = texts(n, tokens, path.with_suffix(".txt")).read_text().splitlines()
+    path.write_text("".join(json.dumps({"source": s, "target": s[:64]}) + "\n" for s in lines))
+    return path
+
+
+def served(argv: list[str], log: Path, text: str, port: int) -> dict:
+    """Start `t5compress serve`, wait until the model answers, send one request of `text` (64 new tokens), stop the
+    server: the wall time to the answer, the request's seconds, the server tree's RSS after it, and the kernel's
+    peak RSS of the largest process."""
+    from t5compress.triton.client import ClientError, generate, server_rss_mb
+
+    started = time.perf_counter()
+    with open(log, "ab") as f:
+        f.write(("$ t5compress " + " ".join(argv) + "\n").encode())
+        f.flush()
+        proc = subprocess.Popen([*CLI, *argv], stdout=f, stderr=subprocess.STDOUT)
+        url, answer, request_s = f"127.0.0.1:{port}", None, None
+        while answer is None and proc.poll() is None and time.perf_counter() - started < 1800:
+            try:
+                t = time.perf_counter()
+                answer = generate(url, "t5", [text], max_new_tokens=64)
+                request_s = time.perf_counter() - t
+            except (ClientError, OSError, Exception):  # not up yet
+                time.sleep(5)
+        tree = server_rss_mb(f"http://{url}")
+        proc.send_signal(signal.SIGTERM)
+        _, status, usage = os.wait4(proc.pid, 0)
+    return {"command": "t5compress " + " ".join(argv), "seconds": round(time.perf_counter() - started, 1),
+            "peak_rss_mb": usage.ru_maxrss // 1024, "rc": 0 if answer else os.waitstatus_to_exitcode(status) or 1,
+            "request_s": request_s and round(request_s, 1), "server_tree_rss_mb": tree}
+
+
+def run(shape: str, work: Path, text_counts: list[int], tokens: int, stages: list[str], log: Path,
+        save: Callable[[dict], None]) -> None:
     model, onnx = work / "model", work / "onnx"
+    quantized = work / "dynamic"  # the int8 export generate, triton and bench use
 
-    def stage(name: str, argv: list[str], **extra) -> None:
+    def stage(name: str, argv: list[str], how: Callable = measure, **extra) -> None:
         print(f"[{shape}] {name} ...", flush=True)
-        r = {"shape": shape, "stage": name, **extra, **measure(argv, log)}
+        r = {"shape": shape, "stage": name, **extra, **how(argv, log)}
         print(f"[{shape}] {name}: {r['seconds']} s, peak {r['peak_rss_mb']} MB, rc {r['rc']}", flush=True)
-        rows.append(r)
+        save(r)
 
-    if "create" in stages:
-        stage("create", ["create", shape, str(model), "--tokenizer", "byte", "-o", "vocab_size=32128", "--force"])
-    if "export" in stages:
-        stage("export", ["export", str(model), str(onnx), "--force"])
     calib = texts(max(text_counts), tokens, work / "calib.txt")
-    if "static" in stages:
-        for n in text_counts:
-            stage("quantize --static", ["quantize", str(onnx), str(work / f"static{n}"), "--static", "--calib-data",
-                                        str(calib), "--samples", str(n), "--min-agreement", "0", "--force"],
-                  texts=n, tokens=tokens)
-    if "dynamic" in stages:
-        stage("quantize --dynamic", ["quantize", str(onnx), str(work / "dynamic"), "--dynamic", "--min-agreement",
-                                     "0", "--force"])
-    return rows
+    plans = {
+        "create": lambda: stage("create", ["create", shape, str(model), "--tokenizer", "byte", "-o",
+                                           "vocab_size=32128", "--force"]),
+        "export": lambda: stage("export", ["export", str(model), str(onnx), "--force"]),
+        "dynamic": lambda: stage("quantize --dynamic", ["quantize", str(onnx), str(quantized), "--dynamic",
+                                                        "--min-agreement", "0", "--force"]),
+        "static": lambda: [stage("quantize --static", [
+            "quantize", str(onnx), str(work / f"static{n}"), "--static", "--calib-data", str(calib), "--samples",
+            str(n), "--min-agreement", "0", "--force"], texts=n, tokens=tokens) for n in text_counts],
+        "blockwise": lambda: stage("quantize --blockwise", ["quantize", str(onnx), str(work / "blockwise"),
+                                                            "--blockwise", "--min-agreement", "0", "--force"]),
+        "generate": lambda: [stage(f"generate b{b}", [
+            "generate", str(quantized), "-i", str(texts(8, tokens, work / "inputs.txt")), "--batch-size", str(b),
+            "--max-new-tokens", "64", "--min-new-tokens", "64"], texts=8, tokens=tokens) for b in (1, 8)],
+        "triton": lambda: stage("triton", ["triton", str(quantized), str(work / "repo"), "--max-batch-size", "8",
+                                           "--force"]),
+        "serve": lambda: stage("serve + a request", ["serve", str(work / "repo"), "--http-port", "8790",
+                                                     "--grpc-port", "8791", "--metrics-port", "8792"],
+                               how=lambda argv, log: served(argv, log, calib.read_text().splitlines()[0], 8790),
+                               texts=1, tokens=tokens),
+        "bench": lambda: stage("bench", [
+            "bench", f"fp32={onnx}", f"int8={quantized}", "-o", str(work / "bench"), "--input-tokens", str(tokens),
+            "--output-tokens", "64", "--batch-sizes", "1,8", "--beams", "1", "--repeats", "1", "--eval-max", "8",
+            "--no-plots", "--force"], tokens=tokens),
+        "prune": lambda: stage("prune 50% heads + 50% FFN, recovery", [
+            "prune", str(model), str(work / "pruned"), "--heads", "0.5", "--ffn", "0.5", "--calib-data",
+            str(data(16, tokens, work / "data.jsonl")), "--recover-data", str(work / "data.jsonl"),
+            "--calib-examples", "4", "--calib-batch-size", "2", "--recover-steps", "4", "--batch-size", "2",
+            "--eval-max-examples", "4", "--latency-examples", "0", "--force"], tokens=tokens),
+    }
+    for name in stages:
+        plans[name]()
 
 
 def render(result: dict) -> str:
@@ -110,14 +166,22 @@ def render(result: dict) -> str:
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_mb']} MB, {' '.join(m['flags'])}; Python "
              f"{m['python']}. Random-weight shapes, byte-level tokenizer (a character is a token). Each stage is "
              "its own `t5compress` process; peak RSS is the kernel's.", "",
-             "| shape | stage | texts x tokens | s | peak RSS MB | rc | commit |", "|---|---|---|---:|---:|---:|---|"]
+             "| shape | stage | texts x tokens | s | peak RSS MB | rc | commit | also |",
+             "|---|---|---|---:|---:|---:|---|---|"]
     for r in result["rows"]:
         tx = f"{r['texts']} x {r['tokens']}" if "texts" in r else ""
         lines.append(f"| {r['shape']} | {r['stage']} | {tx} | {r['seconds']:.1f} | {r['peak_rss_mb']:,} | {r['rc']} "
-                     f"| {r.get('commit', result['commit'])} |")
+                     f"| {r.get('commit', result['commit'])} | {_also(r)} |")
     lines += [""] + [f"- {n}" for n in result.get("notes", [])] if result.get("notes") else []
     lines += ["", "Commands:", "", "```"] + [r["command"] for r in result["rows"]] + ["```", ""]
     return "\n".join(lines)
+
+
+def _also(row: dict) -> str:
+    """The serve row's extra measures: the request's seconds and the whole server's RSS after it."""
+    if "request_s" not in row:
+        return ""
+    return f"request {row['request_s']} s; server tree {row['server_tree_rss_mb']} MB after it"
 
 
 def main() -> None:
@@ -125,7 +189,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["t5-base"])
     ap.add_argument("--texts", nargs="+", type=int, default=[16, 128], help="calibration texts of each static run")
     ap.add_argument("--tokens", type=int, default=512, help="tokens per calibration text")
-    ap.add_argument("--stages", nargs="+", default=["create", "export", "static", "dynamic"])
+    ap.add_argument("--stages", nargs="+", default=["create", "export", "dynamic", "static", "blockwise", "generate",
+                                                    "triton", "serve", "bench", "prune"],
+                    help="run in this order")
     ap.add_argument("--work", type=Path, default=Path("runs/scale"))
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--rerender", action="store_true")
@@ -136,16 +202,19 @@ def main() -> None:
         result = json.loads((args.out / "scale.json").read_text())
     else:
         old = json.loads((args.out / "scale.json").read_text())["rows"] if args.append else []
-        result = {**stamp(), "rows": []}
+        result = {**stamp(), "rows": old}
+
+        def save(row: dict) -> None:  # after every stage, so a long run keeps what it measured
+            row = {**row, "commit": result["commit"]}
+            key = (row["shape"], row["stage"], row.get("texts"))
+            result["rows"] = [r for r in result["rows"] if (r["shape"], r["stage"], r.get("texts")) != key] + [row]
+            (args.out / "scale.json").write_text(json.dumps(result, indent=1))
+            (args.out / "scale.md").write_text(render(result))
+
         for shape in args.shapes:
             work = args.work / shape
             work.mkdir(parents=True, exist_ok=True)
-            rows = [{**r, "commit": result["commit"]} for r in run(shape, work, args.texts, args.tokens, args.stages,
-                                                                 work / "log.txt")]
-            done = {(r["shape"], r["stage"], r.get("texts")) for r in rows}
-            result["rows"] = [r for r in old if (r["shape"], r["stage"], r.get("texts")) not in done] + rows
-            old = result["rows"]
-            (args.out / "scale.json").write_text(json.dumps(result, indent=1))
+            run(shape, work, args.texts, args.tokens, args.stages, work / "log.txt", save)
     (args.out / "scale.md").write_text(render(result))
     print(render(result))
 
