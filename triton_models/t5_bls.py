@@ -6,12 +6,13 @@ config files and a copy of `t5compress.runtime` (and in-process, the graphs), so
 onnxruntime and `tokenizers` only (no t5compress install). The same file serves every repository flavour: the leaf
 models it calls are ONNX Runtime backend models, or python models running ONNX Runtime (`--portable`).
 
-Requests that arrive together (dynamic batching) are generated together: one encoder call and one decoder call per
-step for all of them, grouped by their generation settings, at most `max_batch_texts` texts at a time. The config
-declares a far larger max_batch_size (see `t5compress.triton.repository.DECLARED_MAX_BATCH`) so that a request
-holding more than `max_batch_texts` texts reaches this model, which refuses it with an error naming both sizes and
-logs one line (Triton's own check would refuse it unlogged); the same declaration lets the dynamic batcher hand over
-more than `max_batch_texts` texts at once when a queue has built up, and those are generated in turns.
+Its inputs and outputs are `t5compress.runtime.contract`'s (read and written with it). Requests that arrive together
+(dynamic batching) are generated together by the scheduler's `batches` and `generate_batch`: one encoder call and one
+decoder call per step for all of them, grouped by their generation settings, at most `max_batch_texts` texts at a time.
+The config declares a far larger max_batch_size (see `t5compress.triton.repository.DECLARED_MAX_BATCH`) so that a
+request holding more than `max_batch_texts` texts reaches this model, which refuses it with an error naming both sizes
+and logs one line (Triton's own check would refuse it unlogged); the same declaration lets the dynamic batcher hand
+over more than `max_batch_texts` texts at once when a queue has built up, and those are generated in turns.
 
 Decoupled (`t5compress triton --inflight`): `execute` hands each request to a `runtime.scheduler.Scheduler` and
 returns at once; the scheduler's thread answers through the request's response sender. On an export with the
