@@ -116,20 +116,50 @@ def test_gpu_and_portable_flavours(export_dir, tmp_path):
     assert [i.name for i in leaf.input] == [i.name for i in gpu["m_encoder"].input]
 
 
-def test_the_text_model_generates_a_long_queues_batch_max_batch_texts_at_a_time(monkeypatch):
+def test_the_text_model_generates_a_long_queues_batch_max_batch_texts_at_a_time():
     """The dynamic batcher may hand the text model more texts than the limit at once (its declared max_batch_size is
-    larger): they are generated in runs of whole requests, each within the limit."""
-    import importlib.util
-    import types
+    larger): they are generated in runs of whole requests, each within the limit, one settings group at a time."""
+    from t5compress.runtime.scheduler import Job, batches
+    from t5compress.runtime.settings import GenerationSettings
 
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace())  # the stub's module
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the model file puts its own folder first
-    spec = importlib.util.spec_from_file_location("t5_bls_under_test", ROOT / "triton_models" / "t5_bls.py")
-    model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(model)
-    members = [(0, ["a"] * 3), (1, ["b"] * 3), (2, ["c"] * 2), (3, ["d"] * 8), (4, ["e"]), (5, ["f"] * 7)]
-    assert [[i for i, _ in run] for run in model.batches_within(members, 8)] == [[0, 1, 2], [3], [4, 5]]
-    assert model.batches_within([], 8) == []
+    greedy, beam = GenerationSettings(), GenerationSettings(num_beams=2)
+    jobs = [Job([str(k)] * n, greedy, sink=None) for k, n in enumerate([3, 3, 2, 8, 1, 7])]
+    assert [[j.texts[0] for j in run] for run in batches(jobs, 8)] == [["0", "1", "2"], ["3"], ["4", "5"]]
+    assert batches([], 8) == []
+    mixed = [Job(["a"], greedy, None), Job(["b"], beam, None), Job(["c"], greedy, None)]
+    assert [[j.texts[0] for j in run] for run in batches(mixed, 8)] == [["a", "c"], ["b"]]
+
+
+def test_the_wire_contract_is_the_generation_settings_and_round_trips(export_dir, tmp_path):
+    """Every GenerationSettings field is an optional input of the text model, typed from the field; what the client
+    sends is what the model reads back; the config's inputs and outputs are the contract's."""
+    import dataclasses
+
+    from t5compress.runtime import contract
+    from t5compress.runtime.settings import GenerationSettings
+    from t5compress.triton.client import inputs
+
+    fields = {f.name for f in dataclasses.fields(GenerationSettings)}
+    assert {t.name for t in contract.SETTINGS} == fields and len(contract.SETTINGS) == 8
+    types = {t.name: t.data_type for t in contract.SETTINGS}
+    assert types["num_beams"] == "TYPE_INT32" and types["length_penalty"] == "TYPE_FP32"
+    assert types["early_stopping"] == "TYPE_STRING"
+    sent = dict(num_beams=3, length_penalty=0.5, early_stopping="never", max_new_tokens=None)
+    arrays = {t.name: a for t, a in contract.request(["hi", "there"], stream=True, **sent)}
+    assert [t.name() for t in inputs("http", ["hi", "there"], True, **sent)] == list(arrays)
+    texts, got = contract.read_request(arrays.get, 8, "t5")
+    assert texts == ["hi", "there"] and got == dict(num_beams=3, length_penalty=0.5, early_stopping="never")
+    assert contract.wants_stream(arrays.get)
+    assert contract.read_request({**arrays, "early_stopping": np.array([[b"True"], [b"True"]])}.get, 8, "t5")[1][
+        "early_stopping"] is True
+    with pytest.raises(contract.TooManyTexts, match="at most 1 texts"):
+        contract.read_request(arrays.get, 1, "t5")
+    with pytest.raises(ConfigError, match="unknown generation setting.*temperature"):
+        contract.request(["hi"], temperature=0.7)
+    run(export_dir, TritonConfig(name="t5", inflight=True), tmp_path / "repo")
+    config = pbtxt.parse_config(tmp_path / "repo" / "t5" / "config.pbtxt")
+    assert [i.name for i in config.input] == [t.name for t in contract.inputs(decoupled=True)]
+    assert [o.name for o in config.output] == [t.name for t in contract.OUTPUTS]
 
 
 def test_schema_and_checks_refuse_bad_configs():

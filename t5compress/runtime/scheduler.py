@@ -11,7 +11,9 @@ once `start`ed (so a beam batch does not hold up the greedy rows' steps), inline
     scheduler.submit(Job(["translate: hi"], runtime.settings(max_new_tokens=8), sink, stream=True))
 
 A `Sink` receives the pieces, the result or one error line, and says whether its client went away; a client that
-did is dropped at the next step, and the others in flight go on.
+did is dropped at the next step, and the others in flight go on. The batch-at-a-time half stands alone too:
+`batches` groups jobs by settings within a text limit and `generate_batch` runs a group (what the Triton text
+model without --inflight does with each batch of requests Triton hands it).
 """
 
 from __future__ import annotations
@@ -135,11 +137,11 @@ class Scheduler:
         greedy, batch = self._take(block)
         for job in greedy:
             self._join(job)
-        for group in _groups(batch):
-            if self._batches is not None:
-                self._batches.submit(self._batch, group)  # ONNX Runtime sessions run concurrently
+        for group in batches(batch):
+            if self._batches is not None:  # ONNX Runtime sessions run concurrently
+                self._batches.submit(generate_batch, self.runtime, group, self.max_input_tokens)
             else:
-                self._batch(group)
+                generate_batch(self.runtime, group, self.max_input_tokens)
         self._drop_cancelled()
         if self.engine is not None and self.engine.rows:
             self._emit(self.engine.step())
@@ -178,31 +180,6 @@ class Scheduler:
             self._drop(job, first_line(e))
             return
         self._emit(pieces)
-
-    def _batch(self, jobs: list[Job]) -> None:
-        """Jobs with the same settings as one batch-at-a-time `generate` call."""
-        for j in [j for j in jobs if j.sink.cancelled()]:
-            _call(j, j.sink.fail, "request cancelled before it started")
-        jobs = [j for j in jobs if not j.sink.cancelled()]
-        if not jobs:
-            return
-        texts = [t for j in jobs for t in j.texts]
-        s = jobs[0].settings
-        try:
-            enc = self.runtime.tokenize(texts, self.max_input_tokens)
-            out = self.runtime.generate(enc.input_ids, enc.attention_mask, **s.__dict__)  # (texts * n, len)
-        except Exception as e:  # noqa: BLE001 -- the group's requests get the error, the server goes on
-            for j in jobs:
-                _call(j, j.sink.fail, first_line(e))
-            return
-        n, at = s.num_return_sequences, 0
-        decoded = self.runtime.decode(out)
-        for j in jobs:
-            k = len(j.texts)
-            ids = crop(out[at * n:(at + k) * n].reshape(k, n, -1), self.runtime.tokens.eos)
-            texts = [decoded[(at + i) * n:(at + i + 1) * n] for i in range(k)]
-            _call(j, j.sink.done, Result(texts, ids, enc.lengths[at:at + k], enc.truncated[at:at + k]))
-            at += k
 
     def _emit(self, pieces: list[Piece]) -> None:
         """Record each new token; stream the new text; finish jobs whose rows are all done."""
@@ -271,11 +248,42 @@ def _call(job: Job, fn: Callable, *args) -> bool:
         return False
 
 
-def _groups(jobs: list[Job]) -> list[list[Job]]:
-    out: dict[GenerationSettings, list[Job]] = {}
+def batches(jobs: list[Job], max_texts: int | None = None) -> list[list[Job]]:
+    """`jobs` grouped by their settings (in order of arrival), each group in consecutive runs of whole jobs holding
+    at most `max_texts` texts together (None: no limit; a job holding more runs alone)."""
+    groups: dict[GenerationSettings, list[list[Job]]] = {}
     for j in jobs:
-        out.setdefault(j.settings, []).append(j)
-    return list(out.values())
+        runs = groups.setdefault(j.settings, [[]])
+        if runs[-1] and max_texts is not None and sum(len(k.texts) for k in runs[-1]) + len(j.texts) > max_texts:
+            runs.append([])
+        runs[-1].append(j)
+    return [run for runs in groups.values() for run in runs]
+
+
+def generate_batch(runtime: Seq2SeqRuntime, jobs: list[Job], max_input_tokens: int | None = None) -> None:
+    """Jobs with the same settings as one batch-at-a-time `generate` call; each sink gets its result or the error."""
+    for j in [j for j in jobs if j.sink.cancelled()]:
+        _call(j, j.sink.fail, "request cancelled before it started")
+    jobs = [j for j in jobs if not j.sink.cancelled()]
+    if not jobs:
+        return
+    texts = [t for j in jobs for t in j.texts]
+    s = jobs[0].settings
+    try:
+        enc = runtime.tokenize(texts, max_input_tokens)
+        out = runtime.generate(enc.input_ids, enc.attention_mask, **s.__dict__)  # (texts * n, len)
+    except Exception as e:  # noqa: BLE001 -- the group's requests get the error, the server goes on
+        for j in jobs:
+            _call(j, j.sink.fail, first_line(e))
+        return
+    n, at = s.num_return_sequences, 0
+    decoded = runtime.decode(out)
+    for j in jobs:
+        k = len(j.texts)
+        ids = crop(out[at * n:(at + k) * n].reshape(k, n, -1), runtime.tokens.eos)
+        texts = [decoded[(at + i) * n:(at + i + 1) * n] for i in range(k)]
+        _call(j, j.sink.done, Result(texts, ids, enc.lengths[at:at + k], enc.truncated[at:at + k]))
+        at += k
 
 
 def crop(ids: np.ndarray, eos: tuple[int, ...]) -> np.ndarray:

@@ -26,16 +26,17 @@ class SpecialTokens:
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """Greedy or beam search settings; names and meanings follow `transformers.GenerationConfig`."""
+    """Greedy or beam search settings; names and meanings follow `transformers.GenerationConfig`. Each is an
+    optional input of the served text model, in this order within each type (`runtime.contract`)."""
 
     max_new_tokens: int = HF_DEFAULT_MAX_LENGTH
     min_new_tokens: int = 0
     num_beams: int = 1
+    num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in transformers
     no_repeat_ngram_size: int = 0
     repetition_penalty: float = 1.0
-    num_return_sequences: int = 1
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")

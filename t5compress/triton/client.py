@@ -25,14 +25,12 @@ from typing import Any
 import numpy as np
 
 from t5compress.errors import ConfigError, T5CompressError, first_line
-from t5compress.triton.repository import GENERATION_INPUTS, STREAM_INPUT
+from t5compress.runtime import contract
 
 log = logging.getLogger(__name__)
 
 STREAMING = "grpc-stream"  # gRPC streaming with `stream` true: a decoupled model's pieces as they are decoded
 PROTOCOLS = ("http", "grpc", STREAMING)
-NUMPY_TYPES = {"TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_STRING": np.object_}
-WIRE_TYPES = {"TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_STRING": "BYTES"}
 
 
 class ClientError(T5CompressError):
@@ -68,25 +66,14 @@ def connect(url: str, protocol: str = "http"):
     return client
 
 
-def inputs(protocol: str, texts: Sequence[str], **settings: Any) -> list:
-    """TEXT (batch, 1) and one (batch, 1) tensor per given generation setting."""
+def inputs(protocol: str, texts: Sequence[str], stream: bool | None = None, **settings: Any) -> list:
+    """TEXT (batch, 1), one (batch, 1) tensor per given generation setting, and `stream` when given."""
     module = _module(protocol)
-    unknown = sorted(set(settings) - set(GENERATION_INPUTS))
-    if unknown:
-        raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; "
-                          f"valid: {', '.join(GENERATION_INPUTS)}")
     out = []
-    text = module.InferInput("TEXT", [len(texts), 1], "BYTES")
-    text.set_data_from_numpy(np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))
-    out.append(text)
-    for name, value in settings.items():
-        if value is None:
-            continue
-        kind = GENERATION_INPUTS[name]
-        tensor = module.InferInput(name, [len(texts), 1], WIRE_TYPES[kind])
-        v = str(value).lower().encode() if kind == "TYPE_STRING" else value
-        tensor.set_data_from_numpy(np.full((len(texts), 1), v, dtype=NUMPY_TYPES[kind]))
-        out.append(tensor)
+    for tensor, values in contract.request(texts, stream, **settings):
+        wire = module.InferInput(tensor.name, list(values.shape), tensor.datatype)
+        wire.set_data_from_numpy(values)
+        out.append(wire)
     return out
 
 
@@ -98,7 +85,7 @@ def infer(client, protocol: str, model: str, texts: Sequence[str], **settings: A
         raise
     except Exception as e:  # InferenceServerException carries the server's message
         raise ClientError(f"{model}: {first_line(e)}") from None
-    return [[t.decode("utf-8") for t in row] for row in result.as_numpy("OUTPUT_TEXT")]
+    return contract.texts_of(result.as_numpy(contract.OUTPUT_TEXT.name))
 
 
 @dataclass(frozen=True)
@@ -114,15 +101,11 @@ class Streamed:
 def stream_infer(client, model: str, texts: Sequence[str], stream: bool = True, timeout: float = 120.0,
                  **settings: Any) -> Streamed:
     """One request to a decoupled model over a gRPC stream of `client` (a tritonclient.grpc client)."""
-    import tritonclient.grpc as grpc
-
     answers: queue.Queue = queue.Queue()
     try:
         client.start_stream(callback=lambda result, error: answers.put((time.perf_counter(), result, error)))
-        flag = grpc.InferInput(STREAM_INPUT, [len(texts), 1], "BOOL")
-        flag.set_data_from_numpy(np.full((len(texts), 1), stream, dtype=np.bool_))
         started = time.perf_counter()
-        client.async_stream_infer(model, [*inputs("grpc", texts, **settings), flag], enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs("grpc", texts, stream, **settings), enable_empty_final_response=True)
         pieces, times, final = [], [], None
         while True:
             try:
@@ -131,11 +114,11 @@ def stream_infer(client, model: str, texts: Sequence[str], stream: bool = True, 
                 raise ClientError(f"{model}: no answer within {timeout:.0f} s") from None
             if error is not None:
                 raise ClientError(f"{model}: {first_line(error)}")
-            text = result.as_numpy("OUTPUT_TEXT")
-            if result.as_numpy("OUTPUT_IDS") is not None:
-                final = [[t.decode("utf-8") for t in row] for row in text]
+            text = result.as_numpy(contract.OUTPUT_TEXT.name)
+            if result.as_numpy(contract.OUTPUT_IDS.name) is not None:
+                final = contract.texts_of(text)
             elif text is not None:
-                pieces.append([t.decode("utf-8") for t in text.reshape(-1)])
+                pieces.append([t for row in contract.texts_of(text) for t in row])
                 times.append(at - started)
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break

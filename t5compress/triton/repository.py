@@ -25,6 +25,7 @@ from typing import Any
 
 from t5compress.errors import ConfigError, ModelError
 from t5compress.names import DECODER, DECODER_MASK, DECODER_WITH_PAST, ENCODER, GENERATOR, MANIFEST_FILE, ONNX_SUFFIX
+from t5compress.runtime import contract
 from t5compress.triton import config as pbtxt
 
 VERSION = "1"
@@ -45,18 +46,6 @@ NOT_COPIED = {"report.json", "t5compress.json"}
 # forms from a long queue is generated that many texts at a time.
 DECLARED_MAX_BATCH = 2**31 - 1
 BATCH_PARAM = "max_batch_texts"
-STREAM_INPUT = "stream"  # decoupled text model: BOOL [1], true for a response per decoder step (greedy requests)
-# Request inputs of the BLS model besides TEXT: GenerationSettings fields (see triton_models/t5_bls.py).
-GENERATION_INPUTS = {
-    "max_new_tokens": "TYPE_INT32",
-    "min_new_tokens": "TYPE_INT32",
-    "num_beams": "TYPE_INT32",
-    "num_return_sequences": "TYPE_INT32",
-    "no_repeat_ngram_size": "TYPE_INT32",
-    "length_penalty": "TYPE_FP32",
-    "repetition_penalty": "TYPE_FP32",
-    "early_stopping": "TYPE_STRING",
-}
 
 
 @dataclass(frozen=True)
@@ -168,16 +157,9 @@ def has_inflight_layout(export: Path) -> bool:
 
 def _text(export: Path, name: str, instances: int, max_batch: int, queue_delay_us: int, params: dict,
           extra: dict[str, Path], decoupled: bool = False) -> ModelPlan:
-    inputs = [pbtxt.tensor("TEXT", "TYPE_STRING", [1])]
-    inputs += [pbtxt.tensor(k, t, [1], optional=True) for k, t in GENERATION_INPUTS.items()]
-    if decoupled:
-        inputs.append(pbtxt.tensor(STREAM_INPUT, "TYPE_BOOL", [1], optional=True))
     cfg = {
-        "name": name, "backend": "python", "max_batch_size": DECLARED_MAX_BATCH, "input": inputs,
-        "output": [pbtxt.tensor("OUTPUT_TEXT", "TYPE_STRING", [-1]),  # (batch, num_return_sequences)
-                   pbtxt.tensor("OUTPUT_IDS", "TYPE_INT64", [-1, -1]),  # (batch, num_return_sequences, len)
-                   pbtxt.tensor("INPUT_TOKENS", "TYPE_INT64", [1]),  # (batch, 1): tokens before truncation
-                   pbtxt.tensor("TRUNCATED", "TYPE_BOOL", [1])],  # (batch, 1): cut to max_input_tokens
+        "name": name, "backend": "python", "max_batch_size": DECLARED_MAX_BATCH,
+        "input": [_tensor(t) for t in contract.inputs(decoupled)], "output": [_tensor(t) for t in contract.OUTPUTS],
         "dynamic_batching": {"max_queue_delay_microseconds": queue_delay_us, "preferred_batch_size": [max_batch]},
         "instance_group": pbtxt.instance_group("cpu", instances),  # tokenizer and search: CPU work in any case
         "parameters": pbtxt.parameters({**params, BATCH_PARAM: str(max_batch)}),
@@ -187,6 +169,10 @@ def _text(export: Path, name: str, instances: int, max_batch: int, queue_delay_u
              if f.is_file() and f.suffix in (".json", ".model", ".txt") and f.name not in NOT_COPIED}
     files.update({**extra, "model.py": server_sources() / BLS_SOURCE, **runtime_files()})
     return ModelPlan(name, pbtxt.build(cfg), files)
+
+
+def _tensor(t: contract.Tensor) -> dict[str, Any]:
+    return pbtxt.tensor(t.name, t.data_type, t.dims, optional=t.optional)
 
 
 def write(plan: ModelPlan, repo: Path) -> None:
