@@ -60,13 +60,20 @@ def machine() -> dict:
 
 
 def _command(argv: list[str]) -> str:
-    """`argv` as a shell line, its program relative to the checkout (or by name when outside it)."""
+    """`argv` as a shell line: a script or `-m` module of the checkout by its path or name there (run by `python`),
+    an installed program by its name."""
     if not argv:
         return ""
     prog = Path(argv[0]).resolve()
-    prog_text = str(prog.relative_to(CHECKOUT)) if prog.is_relative_to(CHECKOUT) else prog.name
-    python = ["python"] if prog.suffix == ".py" else []  # a script is run by the interpreter
-    return shlex.join([*python, prog_text, *argv[1:]])
+    if not prog.is_file():  # `python -c`
+        head = ["python", argv[0]]
+    elif prog.is_relative_to(CHECKOUT) and prog.name == "__main__.py":  # `python -m PACKAGE`
+        head = ["python", "-m", ".".join(prog.parent.relative_to(CHECKOUT).parts)]
+    elif prog.is_relative_to(CHECKOUT):
+        head = ["python", str(prog.relative_to(CHECKOUT))]
+    else:
+        head = [prog.name]
+    return shlex.join([*head, *argv[1:]])
 
 
 def stamp(argv: list[str] | None = None) -> dict:
