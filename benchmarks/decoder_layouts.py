@@ -122,9 +122,8 @@ def main() -> None:
             print(layout, cases, flush=True)
     results = {"arch": args.arch, "threads": args.threads, "tokens": args.tokens, "repeat": args.repeat,
                "layouts": rows}
-    out = ROOT / "results" / "current"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decoder_layouts.json").write_text(json.dumps(results, indent=2) + "\n")
+    from t5compress.bench.stamp import write_result
+
     lines = [f"{args.arch} shape, random weights, {args.threads} thread(s), {args.tokens} in / {args.tokens} out, "
              f"median per generate call over {args.repeat} interleaved calls: CPU ms (wall ms)", "",
              "| decoders | disk MB | RSS after load MB | RSS after b8 MB | b1 | b8 | beam 4 |",
@@ -132,7 +131,7 @@ def main() -> None:
     for layout, r in rows.items():
         cells = " | ".join(f"{r[c]['cpu_median_ms']} ({r[c]['median_ms']})" for c in CASES)
         lines.append(f"| {layout} | {r['disk_mb']} | {r['load_rss_mb']} | {r['rss_after_b8_mb']} | {cells} |")
-    (out / "decoder_layouts.md").write_text("\n".join(lines) + "\n")
+    write_result(ROOT / "results" / "current" / "decoder_layouts", results, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

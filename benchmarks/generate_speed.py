@@ -158,13 +158,15 @@ def main() -> None:
 
 def write_summary(reports: dict, out: Path, seconds: int) -> None:
     """bench_goals.json (every shape's report) and bench_goals.md (each shape's speed-ups and goals, links to the
-    rest)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_goals.json").write_text(json.dumps({"seconds": seconds, "shapes": reports}, indent=1))
-    write_markdown(reports, out, seconds)
+    rest), stamped."""
+    from t5compress.bench.stamp import write_result
+
+    md = summary_markdown(reports, seconds)
+    write_result(out / "bench_goals", {"seconds": seconds, "shapes": reports}, md)
+    print(md)
 
 
-def write_markdown(reports: dict, out: Path, seconds: int) -> None:
+def summary_markdown(reports: dict, seconds: int) -> str:
     from t5compress.bench.floor import floor_lines
     from t5compress.bench.report import expectation_lines, size_lines, speedup_lines, upgrade
 
@@ -177,19 +179,22 @@ def write_markdown(reports: dict, out: Path, seconds: int) -> None:
                   *floor_lines(r, 3)]
         if r.get("skipped"):
             lines += ["Skipped peers: " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items()), ""]
-    (out / "bench_goals.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 def rerender(out: Path) -> None:
-    """bench_goals.md and each shape's report.md again from bench_goals.json (its measurements unchanged)."""
+    """bench_goals.md and each shape's report.md again from bench_goals.json (its measurements and stamp
+    unchanged)."""
     from t5compress.bench.report import markdown
+    from t5compress.bench.stamp import stamped_markdown
 
     saved = json.loads((out / "bench_goals.json").read_text())
     for arch, r in saved["shapes"].items():
         if (out / "bench_goals" / arch).is_dir():
             (out / "bench_goals" / arch / "report.md").write_text(markdown(r))
-    write_markdown(saved["shapes"], out, saved["seconds"])
+    md = stamped_markdown(summary_markdown(saved["shapes"], saved["seconds"]), saved.get("stamp"))
+    (out / "bench_goals.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

@@ -249,7 +249,7 @@ def shape_report(arch: str, root: Path, device: str, batches: list[int], tokens:
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def write_markdown(report: dict, path: Path) -> None:
+def markdown(report: dict) -> str:
     lines = [f"# GPU check on {report['device']} ({report['note']})", "",
              "| shape | fp16 / fp32 size | max abs diff vs fp32 PyTorch (enc / dec / dec-past) | worst use of "
              "tolerance | greedy agreement | finite |", "|---|---:|---|---:|---:|---|"]
@@ -267,7 +267,7 @@ def write_markdown(report: dict, path: Path) -> None:
     for arch, r in report["shapes"].items():
         lines += [f"| {arch} | {x['engine']} | {x['batch']} | {x['beams']} | {x['p50_ms']} | {x['p90_ms']} | "
                   f"{x['agreement_with_pytorch_fp32']} |" for x in r["speed"]]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -288,8 +288,9 @@ def main() -> int:
         report["shapes"][arch] = shape_report(arch, work, a.device, a.batches, a.tokens, a.runs)
         print(f"{arch}: {json.dumps(report['shapes'][arch]['device_parity'])}", flush=True)
     report["ok"] = report["overflow"]["ok"] and all(r["device_parity"]["ok"] for r in report["shapes"].values())
-    (a.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_markdown(report, a.out / "gpu_check.md")
+    from t5compress.bench.stamp import write_result
+
+    write_result(a.out / "gpu_check", report, markdown(report))
     print(f"overflow model: {json.dumps(report['overflow'])}")
     print(f"gpu_check: {'ok' if report['ok'] else 'FAILED'} on {a.device}; {a.out / 'gpu_check.md'}")
     return 0 if report["ok"] else 1

@@ -151,14 +151,12 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     args = ap.parse_args()
-    from t5compress import artifacts
+    from t5compress.bench.stamp import write_result
     from t5compress.cpu import cpu_features
 
     rows = [measure(f, args.heldout) for f in args.fixtures]
     result = {"cpu": cpu_features(), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(args.out / "int8_ceiling.json", result)
-    (args.out / "int8_ceiling.md").write_text(markdown(result))
+    write_result(args.out / "int8_ceiling", result, markdown(result))
     print(markdown(result))
 
 

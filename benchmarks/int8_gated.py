@@ -230,7 +230,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from t5compress import artifacts
+    from t5compress.bench.stamp import write_result
     from t5compress.cpu import cpu_features, saturates_int8
 
     torch.set_num_threads(1)
@@ -249,9 +249,7 @@ def main() -> None:
                   "load_average": os.getloadavg(),
                   "fixture": {"shape": FIXTURE_SHAPE, **json.loads((fixture / "fixture.json").read_text()),
                               "rows": measure(fixture, 128, 200, args.threads, args.heldout)}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(args.out / f"{args.name}.json", result)
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    result = write_result(args.out / args.name, result, markdown(result))
     print(markdown(result))
     if args.skip_flan:
         return
@@ -264,8 +262,7 @@ def main() -> None:
                                "rows": measure(flan, args.flan_samples, args.flan_samples, args.threads,
                                                skip=("after",)),
                                "cpu": {**cpu_features(), "int8_kernels_saturate": saturates_int8()}}
-    artifacts.write_json(args.out / f"{args.name}.json", result)
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    write_result(args.out / args.name, result, markdown(result))
     print(markdown(result))
 
 

@@ -37,7 +37,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "current")
     args = ap.parse_args()
 
-    from t5compress import artifacts, pretrain
+    from t5compress import pretrain
+    from t5compress.bench.stamp import write_result
     from t5compress.data import DataConfig
     from t5compress.model.load import load_tokenizer, save_model_dir
     from t5compress.pretrain.toy import write_toy_corpus
@@ -94,9 +95,7 @@ def main() -> None:
                      "tokens_per_second": pre["train"]["tokens_per_second"]},
         "finetune": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(args.out / "pretrain_finetune.json", result)
-    (args.out / "pretrain_finetune.md").write_text(markdown(result))
+    write_result(args.out / "pretrain_finetune", result, markdown(result))
     print(markdown(result))
     print(json.dumps(result["finetune"], indent=1)[:400])
 

@@ -24,7 +24,6 @@ Writes benchmarks/results/current/pretrain_speed.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -212,9 +211,9 @@ def main() -> None:
     result["ratio"] = {"tokens_per_second": round(ratio, 2), "goal": GOAL, "speed_goal_met": ratio >= GOAL,
                        "loss_goal_met": ours_eval["loss"] <= hf_eval["loss"]}
     assert math.isfinite(ratio)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    from t5compress.bench.stamp import write_result
+
+    write_result(args.out / args.name, result, markdown(result))
     print(markdown(result))
 
 

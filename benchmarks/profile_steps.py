@@ -267,9 +267,11 @@ def main() -> None:
                 case.call()
         for case in cases:
             result[case.name][key] = case.result(Path(tempfile.mkdtemp(prefix="t5c-profile-")))
-    args.out.with_suffix(".json").write_text(json.dumps({"threads": args.threads, "profiles": result}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(result, args.threads))
-    print(markdown(result, args.threads))
+    from t5compress.bench.stamp import write_result
+
+    md = markdown(result, args.threads)
+    write_result(args.out.with_suffix(""), {"threads": args.threads, "profiles": result}, md)
+    print(md)
 
 
 def markdown(result: dict, threads: int) -> str:

@@ -223,8 +223,10 @@ def table(rows: list[dict], before: dict, ratio: float) -> list[str]:
 
 
 def write(summary: dict, md: list[str], out: Path, name: str) -> None:
-    (out / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / f"{name}.md").write_text("\n".join(md) + "\n")
+    """OUT/NAME.json and .md, stamped, and their copies in results/current/."""
+    from t5compress.bench.stamp import write_result
+
+    write_result(out / name, summary, "\n".join(md) + "\n")
     (ROOT / "results" / "current").mkdir(parents=True, exist_ok=True)
     for ext in ("json", "md"):
         shutil.copy(out / f"{name}.{ext}", ROOT / "results" / "current" / f"{name}.{ext}")
@@ -243,7 +245,8 @@ def merge(paths: list[Path], name: str) -> None:
             if (row["method"], row["steps"]) not in seen:
                 seen.add((row["method"], row["steps"]))
                 rows.append({**row, "run": i + 1})
-    done = [{"file": str(p), "setup": r["setup"], "seconds": r["seconds"]} for p, r in zip(paths, runs, strict=True)]
+    done = [{"file": str(p), "stamp": r.get("stamp"), "setup": r["setup"], "seconds": r["seconds"]}
+            for p, r in zip(paths, runs, strict=True)]
     summary = {"runs": done,
                "task": runs[0]["task"], "unpruned": base, "pruned_model": runs[0]["pruned_model"], "rows": rows}
     write(summary, table(rows, base, runs[0]["setup"]["ratio"]), paths[0].parent, name)

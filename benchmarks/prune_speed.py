@@ -163,11 +163,11 @@ def main() -> None:
 
 
 def write(builds: dict, rows: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    from t5compress.bench.stamp import write_result
+
     env = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
            "shape": "t5-small (random weights)", "in_tokens": 32, "out_tokens": 32, "precision": "fp32",
            "engine": "t5compress ONNX runtime (and CTranslate2 with --ctranslate2)"}
-    (out / "prune_speed.json").write_text(json.dumps({"env": env, "builds": builds, "rows": rows}, indent=1))
     names = list(builds)
     base = builds[names[0]]
     lines = ["| variant | parameters | block parameters | ONNX MB | " +
@@ -183,7 +183,7 @@ def write(builds: dict, rows: list[dict], out: Path) -> None:
     md = ("\n".join(lines) + "\n\n32 tokens in, exactly 32 out, greedy; median (p90) per call; ×: speed-up over the "
           "unpruned model in the same run. Parameters include the 32128 × 512 embedding (16.4M), which pruning "
           "does not touch.\n")
-    (out / "prune_speed.md").write_text(md)
+    write_result(out / "prune_speed", {"env": env, "builds": builds, "rows": rows}, md)
     print(md)
 
 

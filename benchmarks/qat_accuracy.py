@@ -129,9 +129,9 @@ def main() -> None:
     for name, r in results.items():
         md.append(f"| {labels[name]} | {r['exact_match']} | {r['rougeL']} | {r['bleu']} | "
                   f"{r['same_output_as_fp32']} | {r['onnx_bytes'] / 1e6:.2f} |")
-    text = json.dumps(summary, indent=2, default=str)
-    (out / "qat_accuracy.json").write_text(text)
-    (out / "qat_accuracy.md").write_text("\n".join(md) + "\n")
+    from t5compress.bench.stamp import write_result
+
+    write_result(out / "qat_accuracy", summary, "\n".join(md) + "\n")
     (ROOT / "results" / "current").mkdir(parents=True, exist_ok=True)
     shutil.copy(out / "qat_accuracy.json", ROOT / "results" / "current" / "qat_accuracy.json")
     shutil.copy(out / "qat_accuracy.md", ROOT / "results" / "current" / "qat_accuracy.md")

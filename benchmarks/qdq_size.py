@@ -49,6 +49,7 @@ def main() -> None:
 
     import torch
 
+    from t5compress.bench.stamp import write_result
     from t5compress.export import stage as export
     from t5compress.model.load import create_model, save_model_dir
     from t5compress.model.tokenization import byte_level
@@ -85,9 +86,7 @@ def main() -> None:
             results[name]["ort_kernels"] = report["int8"]["ort_kernels"]
     results["size_ratio"] = round(results["qat"]["onnx_bytes"] / results["fp32"]["onnx_bytes"], 4)
     results["arch"] = args.arch
-    text = json.dumps(results, indent=2)
-    (args.out / "qdq_size.json").write_text(text)
-    print(text)
+    print(json.dumps(write_result(args.out / "qdq_size", results), indent=2))
 
 
 if __name__ == "__main__":

@@ -87,9 +87,9 @@ def main() -> None:
     for label, v in results["variants"].items():
         md += [f"| {label} | {c['batch']} | {c['beams']} | {c['python_ms']} | {c['graph_ms']} | {c['speedup']}x | "
                f"{c['identical_rows']}/{c['rows']} |" for c in v["cells"]]
-    out = ROOT / "results" / "current" / args.name
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    from t5compress.bench.stamp import write_result
+
+    write_result((ROOT / "results" / "current" / args.name).with_suffix(""), results, "\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -169,6 +169,7 @@ def main() -> None:
     args = ap.parse_args()
     n = 24 if args.quick else args.requests
 
+    from t5compress.bench.stamp import write_result
     from t5compress.runtime import load_runtime
     from t5compress.triton import TritonConfig, run
     from t5compress.triton.server import Ports, find_server, start
@@ -194,10 +195,7 @@ def main() -> None:
     b, i = results["batch"], results["inflight"]
     results["short_p50_speedup"] = round(b["short_p50_ms"] / i["short_p50_ms"], 2)
     results["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at end"
-    out = ROOT / "results" / "current"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "triton_inflight.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "triton_inflight.md").write_text(markdown(results))
+    write_result(ROOT / "results" / "current" / "triton_inflight", results, markdown(results))
     print(markdown(results))
 
 

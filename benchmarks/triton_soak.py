@@ -551,11 +551,9 @@ def main() -> None:
         if server.log_path and server.log_path.is_file():  # how the last server shut down
             record["shutdown_log"] = [ln[:240] for ln in server.log_path.read_text(errors="replace").splitlines()[-6:]]
     record["machine"] += f", load average {os.getloadavg()[0]:.1f} at the end"
-    args.out.mkdir(parents=True, exist_ok=True)
-    from t5compress import artifacts
+    from t5compress.bench.stamp import write_result
 
-    artifacts.write_json(args.out / "triton_soak.json", record)
-    (args.out / "triton_soak.md").write_text(markdown(record))
+    write_result(args.out / "triton_soak", record, markdown(record))
     print(markdown(record), flush=True)
     say(f"results → {args.out / 'triton_soak.json'} and .md")
 

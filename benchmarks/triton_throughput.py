@@ -18,7 +18,6 @@ Needs `make triton-env`. Writes benchmarks/results/current/triton_throughput.jso
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -116,11 +115,10 @@ def main() -> None:
         run(export_dir, cfg, repo, force=True, progress=False)
         results[flavour] = serve(flavour, repo, work, rt, inputs, gen, rounds, sequential, concurrent, args)
         results[flavour]["cpu_ms_per_request"]["local_runtime"] = round(local_cpu_ms, 1)
-    out = ROOT / "results" / "current"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    from t5compress.bench.stamp import write_result
+
     text = "\n".join(markdown(r) for r in results.values()) + summary(results)
-    (out / f"{args.name}.md").write_text(text)
+    write_result(ROOT / "results" / "current" / args.name, results, text)
     print(text)
 
 

@@ -216,10 +216,9 @@ def summary(report: dict) -> dict:
 
 
 def write(facts: dict, report: dict, args, out: Path, seconds: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    from t5compress.bench.stamp import write_result
+
     s = summary(report)
-    (out / "vocab_speed.json").write_text(json.dumps({"seconds": seconds, "repeats": args.repeats, "facts": facts,
-                                                      "summary": s, "bench": report}, indent=1))
     batches = sorted(next(iter(s["p50_ms"].values())))
     lines = [f"# Vocabulary trimming on a t5-small shape ({seconds} s, {args.repeats} timed repeats per cell)", "",
              f"Tokenizer: unigram, {facts['pieces']:,} pieces (+100 sentinels) trained on the generated corpus; the "
@@ -250,7 +249,8 @@ def write(facts: dict, report: dict, args, out: Path, seconds: int) -> None:
     if s["errors"]:
         lines.append("\nErrors: " + "; ".join(f"{n}: {m}" for n, m in s["errors"].items()))
     md = "\n".join(lines) + "\n"
-    (out / "vocab_speed.md").write_text(md)
+    write_result(out / "vocab_speed", {"seconds": seconds, "repeats": args.repeats, "facts": facts, "summary": s,
+                                       "bench": report}, md)
     print(md, flush=True)
 
 

@@ -4,6 +4,8 @@ bad inputs (one line, non-zero exit, nothing written); the speed-ups vs peers an
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -433,6 +435,34 @@ def test_expect_in_a_recipe_is_a_list_of_key_ratio_strings():
     assert build("bench", BenchConfig, {"expect": "fp32=1"}).expect == ("fp32=1",)
     with pytest.raises(RecipeError, match="bench.expect: unknown key 'speed'"):
         build("bench", BenchConfig, {"expect": ["speed=2"]})
+
+
+def test_bench_json_and_report_carry_the_stamp_and_an_unstamped_one_renders_without(bench_run):
+    from t5compress.bench.report import markdown
+
+    out, r, _ = bench_run
+    s = r["stamp"]
+    assert list(r)[0] == "stamp" and re.fullmatch(r"[0-9a-f]{4,40}(\+dirty)?", s["commit"] or "0000")
+    assert s["date"].endswith(" UTC") and s["machine"]["cores"] == os.cpu_count()
+    assert s["machine"]["cpu"] and isinstance(s["machine"]["flags"], list) and "bench" in s["command"]
+    lines = (out / "report.md").read_text().splitlines()
+    assert lines[0] == "# t5compress bench" and lines[2].startswith(f"Stamp: commit `{s['commit']}`, {s['date']}; ")
+    old = {k: v for k, v in r.items() if k != "stamp"}  # a bench.json from before the stamp
+    stamped = markdown(r).splitlines()
+    assert stamped[2] == lines[2] and markdown(old).splitlines() == stamped[:2] + stamped[4:]
+
+
+def test_write_result_stamps_the_json_first_and_the_markdown_under_its_title(tmp_path):
+    from t5compress.bench.stamp import write_result
+
+    r = write_result(tmp_path / "sub" / "x", {"rows": [1], "stamp": "stale"}, "# Title\n\nbody\n")
+    saved = json.loads((tmp_path / "sub" / "x.json").read_text())
+    assert saved == r and list(saved) == ["stamp", "rows"] and saved["stamp"] != "stale"
+    assert set(saved["stamp"]) == {"commit", "date", "machine", "command"}
+    md = (tmp_path / "sub" / "x.md").read_text().splitlines()
+    assert md[:2] == ["# Title", ""] and md[2].startswith("Stamp: commit ") and md[3:] == ["", "body"]
+    write_result(tmp_path / "y", {"rows": []}, "no title")
+    assert (tmp_path / "y.md").read_text().splitlines()[1:] == ["", "no title"]
 
 
 def test_an_old_bench_json_with_goals_renders_and_rerenders_in_todays_format(tmp_path):

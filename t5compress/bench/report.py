@@ -1,5 +1,5 @@
-"""The bench report: bench.json (one dict: settings, environment, entries, speed-ups vs the peers, sizes, and the
-expectations asked for) and its Markdown rendering."""
+"""The bench report: bench.json (one dict: its stamp, settings, environment, entries, speed-ups vs the peers, sizes,
+and the expectations asked for) and its Markdown rendering."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from t5compress.bench import compare, expect
 from t5compress.bench.config import BenchConfig
 from t5compress.bench.floor import floor_lines
 from t5compress.bench.inputs import Inputs, decode
+from t5compress.bench.stamp import stamp, stamped_markdown
 from t5compress.bench.variants import Variant
 from t5compress.cpu import ARM64_PRESET, cpu_features, int8_note
 
@@ -56,6 +57,7 @@ def assemble(cfg: BenchConfig, variants: list[Variant], results: dict, inputs: I
         entries.append(e)
     cpu = cpu_features()
     return {
+        "stamp": stamp(),  # commit, date, machine, command (a bench.json from before it has none)
         "stage": "bench",
         "settings": {**dataclasses.asdict(cfg), "peers": list(cfg.peer_names)},
         "inputs": {"source": inputs.source, "eval_examples": len(inputs.texts), "tokenizer": str(inputs.tokenizer_dir),
@@ -139,7 +141,7 @@ def markdown(r: dict) -> str:
     lines += _peers(r)
     if r.get("plots"):
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in r["plots"]] + [""]
-    return "\n".join(lines)
+    return stamped_markdown("\n".join(lines), r.get("stamp"))
 
 
 def _edge(r: dict) -> list[str]:
