@@ -15,10 +15,13 @@ Peers need `make bench-env` (run it there, or give --peer-python .venv-bench/bin
 
     make bench                                                    # full grid in .venv-bench
     .venv-bench/bin/python benchmarks/generate_speed.py --quick   # t5-small, 1 thread, 2 repeats
+    .venv-bench/bin/python benchmarks/generate_speed.py --long    # the realistic workload: t5-base and flan-t5-base
+                                                                  # shapes, 512 tokens in / 64 out, b1 and b8 greedy
     python benchmarks/generate_speed.py --rerender                 # the Markdown again from bench_goals.json
 
 Writes benchmarks/results/current/bench_goals/<shape>/ (bench.json, report.md, plots) and a summary,
-benchmarks/results/current/bench_goals.{json,md} (--quick: under benchmarks/results/current/quick/). With --profile,
+benchmarks/results/current/bench_goals.{json,md} (--quick: under benchmarks/results/current/quick/,
+--long: under benchmarks/results/current/long/). With --profile,
 also where our int8 runtime's time goes per step (profile_steps.py).
 """
 
@@ -100,6 +103,10 @@ def pruned_export(shape: Shape) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="t5-small, 1 thread, 2 repeats, 16 calibration texts")
+    ap.add_argument("--long", action="store_true", help="the realistic workload: t5-base and flan-t5-base shapes, "
+                    "512 tokens in / 64 out, 1 thread, b1 and b8 greedy, 3 repeats")
+    ap.add_argument("--input-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="architectures (any `t5compress create` name)")
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
@@ -117,7 +124,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.threads, args.repeats, args.calib_samples = SHAPES[:1], [1], 2, 16
-    out = args.out or (ROOT / "results" / "current" / ("quick" if args.quick else ""))
+    if args.long:
+        args.shapes, args.threads, args.beams, args.repeats = ["t5-base", "flan-t5-base"], [1], [1], 3
+        args.input_tokens, args.output_tokens = 512, 64
+    out = args.out or (ROOT / "results" / "current" / ("quick" if args.quick else "long" if args.long else ""))
     if args.rerender:
         rerender(out)
         return
@@ -125,7 +135,8 @@ def main() -> None:
     from t5compress.bench import run as bench
 
     cfg = BenchConfig(batch_sizes=tuple(args.batches), threads=tuple(args.threads), beams=tuple(args.beams),
-                      input_tokens=32, output_tokens=32, repeats=args.repeats, warmup=1, eval_max=16,
+                      input_tokens=args.input_tokens, output_tokens=args.output_tokens, repeats=args.repeats,
+                      warmup=1, eval_max=16,
                       max_new_tokens=32, peers=tuple(p for p in args.peers.split(",") if p),
                       peer_python=args.peer_python, expect=GOALS)
     reports, started = {}, time.perf_counter()
