@@ -346,8 +346,7 @@ def write_report(out: Path, report: dict) -> None:
     write_json(out / REPORT_FILE, report)
 
 
-# --- the stage envelope: what every stage does around its own work -------------------------------------------------
-FROM_SRC: Any = object()  # `envelope(parent=...)` default: the lineage's parent is the stage's `src`
+_SRC: Any = object()  # `envelope(parent=...)` default: the lineage's parent is the stage's `src`
 
 
 class Envelope:
@@ -387,7 +386,7 @@ class Envelope:
 
 @contextlib.contextmanager
 def envelope(stage: str, src: Any, cfg: Any, out: str | os.PathLike | None, *, force: bool = False,
-             inputs: Iterable[Any] | None = None, record: Any = None, parent: Any = FROM_SRC) -> Iterator[Envelope]:
+             inputs: Iterable[Any] | None = None, record: Any = None, parent: Any = _SRC) -> Iterator[Envelope]:
     """Claim `out` for the stage `stage` now (before any heavy work), and release it when the block ends.
 
     Args:
@@ -401,4 +400,4 @@ def envelope(stage: str, src: Any, cfg: Any, out: str | os.PathLike | None, *, f
         if out is not None:
             out = check_output(out, force, inputs)
         yield Envelope(stage, out, force, inputs, dataclasses.asdict(cfg) if record is None else record,
-                       src if parent is FROM_SRC else parent)
+                       src if parent is _SRC else parent)
