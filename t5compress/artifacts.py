@@ -2,6 +2,15 @@
 
 Every stage reads one directory and writes a new one. The new one is built in a temporary sibling and renamed into
 place only when the stage succeeded, so an interrupted or failed run never leaves a half-written output.
+
+A stage's `run` is only its own work inside the envelope, which claims `out` (or refuses it), times the run, writes
+t5compress.json and report.json into a temporary sibling and renames it into place:
+
+    with artifacts.envelope("quantize", src, cfg, out, force=force) as env:  # claims `out`, or raises OutputError
+        graphs = quantize_graphs(src, cfg)                                    # the stage's own work
+        return env.write({"stage": "quantize", "seconds": env.seconds()}, lambda tmp: graphs.save(tmp))
+
+A stage whose report describes the files it wrote fills `with env.staging() as tmp:` and sets `env.report` last.
 """
 
 from __future__ import annotations
@@ -201,17 +210,24 @@ def _release(path: Path) -> None:
     os.close(fd)
 
 
+@contextlib.contextmanager
+def _claims_end_here() -> Iterator[None]:
+    """Release the claims taken inside the block when it ends, rather than at process exit."""
+    before = set(_held)
+    try:
+        yield
+    finally:
+        for path in set(_held) - before:
+            _release(path)
+
+
 def claims_output(run: Callable[..., T]) -> Callable[..., T]:
     """Decorate a stage's `run`: the claims it takes on outputs end when it returns or raises, not at process exit."""
 
     @functools.wraps(run)
     def wrapper(*args: Any, **kwargs: Any) -> T:
-        before = set(_held)
-        try:
+        with _claims_end_here():
             return run(*args, **kwargs)
-        finally:
-            for path in set(_held) - before:
-                _release(path)
 
     return wrapper
 
@@ -328,3 +344,60 @@ def trained_input_length(path: str | os.PathLike) -> int | None:
 
 def write_report(out: Path, report: dict) -> None:
     write_json(out / REPORT_FILE, report)
+
+
+_SRC: Any = object()  # `envelope(parent=...)` default: the lineage's parent is the stage's `src`
+
+
+class Envelope:
+    """One stage run's output, claimed: its temporary sibling, its timing, t5compress.json and report.json."""
+
+    def __init__(self, stage: str, out: Path | None, force: bool, inputs: list, record: Any, parent: Any) -> None:
+        self.stage, self.out, self.force, self.inputs = stage, out, force, inputs
+        self.record, self.parent = record, parent
+        self.report: Report | None = None  # set by the stage before its `staging()` block ends
+        self.started = time.perf_counter()
+
+    def seconds(self, ndigits: int = 1) -> float:
+        """Seconds since the run claimed its output."""
+        return round(time.perf_counter() - self.started, ndigits)
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A temporary sibling of `out` for the stage's files; when the block ends, t5compress.json and `self.report`
+        (report.json) are written beside them and the sibling is renamed to `out` (deleted on any error)."""
+        with staged_output(self.out, self.force, self.inputs) as tmp:
+            yield tmp
+            if self.report is None:
+                raise RuntimeError(f"the {self.stage} stage set no report before its output was written")
+            write_meta(tmp, self.stage, self.record, self.parent)
+            write_report(tmp, self.report)
+
+    def write(self, report: Report, fill: Callable[[Path], Any] | None = None) -> Report:
+        """Write `out` in one go (`fill(tmp)` writes the stage's own files) and return `report`; nothing is written
+        when the run has no `out`."""
+        self.report = report
+        if self.out is not None:
+            with self.staging() as tmp:
+                if fill is not None:
+                    fill(tmp)
+        return report
+
+
+@contextlib.contextmanager
+def envelope(stage: str, src: Any, cfg: Any, out: str | os.PathLike | None, *, force: bool = False,
+             inputs: Iterable[Any] | None = None, record: Any = None, parent: Any = _SRC) -> Iterator[Envelope]:
+    """Claim `out` for the stage `stage` now (before any heavy work), and release it when the block ends.
+
+    Args:
+        inputs: what the stage reads, refused as an output (default: `src` and `cfg`).
+        record: the config recorded in t5compress.json (default: `cfg` as a dict).
+        parent: the input directory recorded as the output's parent (default: `src`).
+        out: None for a stage whose output directory is optional (`serve`): nothing is claimed or written.
+    """
+    inputs = [src, cfg] if inputs is None else list(inputs)
+    with _claims_end_here():
+        if out is not None:
+            out = check_output(out, force, inputs)
+        yield Envelope(stage, out, force, inputs, dataclasses.asdict(cfg) if record is None else record,
+                       src if parent is _SRC else parent)

@@ -66,3 +66,46 @@ def test_write_json_and_meta_get_the_umask_permissions_not_mkstemps_0600(tmp_pat
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "o").iterdir()}
     assert modes == dict.fromkeys(["graphs.json", "report.json", "t5compress.json", "plain.txt"], 0o666 & ~umask)
     assert stat.S_IMODE((tmp_path / "o").stat().st_mode) == 0o777 & ~umask
+
+
+def test_the_envelope_claims_writes_meta_and_report_and_renames(tmp_path):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Cfg:
+        lr: float = 0.1
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    with artifacts.envelope("train", src, Cfg(), out) as env:  # claimed at once: a second writer is refused
+        assert artifacts.lock_file(out).exists() and env.out == out
+        with pytest.raises(OutputError, match="is the input"):
+            with artifacts.envelope("train", src, Cfg(), src):
+                pass
+        report = env.write({"stage": "train", "seconds": env.seconds()}, lambda tmp: (tmp / "w").write_text("x"))
+    assert not artifacts.lock_file(out).exists()  # released when the block ends, not at process exit
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "t5compress.json", "w"]
+    assert json.loads((out / "report.json").read_text()) == report
+    meta = json.loads((out / "t5compress.json").read_text())
+    assert (meta["stage"], meta["config"], meta["parent"]["path"]) == ("train", {"lr": 0.1}, str(src.resolve()))
+
+    with pytest.raises(OutputError, match="already exists; pass --force"):
+        with artifacts.envelope("train", src, Cfg(), out):
+            pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with artifacts.envelope("x", None, Cfg(), out, force=True, record={"mine": 1}) as env:
+            with env.staging() as tmp:
+                (tmp / "half").write_text("y")
+                raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # old output intact, no temporaries, no lock
+    with pytest.raises(RuntimeError, match="set no report"):
+        with artifacts.envelope("x", None, Cfg(), out, force=True) as env, env.staging():
+            pass
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "t5compress.json", "w"]
+
+
+def test_an_envelope_without_out_claims_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with artifacts.envelope("serve", "repo", {"port": 1}, None, record={"port": 1}) as env:
+        assert env.write({"stage": "serve"}) == {"stage": "serve"}
+    assert list(tmp_path.iterdir()) == []

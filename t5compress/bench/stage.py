@@ -43,7 +43,6 @@ def _paths(variants: list[str]) -> list[str]:
     return [str(v).split("=", 1)[-1] for v in variants]
 
 
-@artifacts.claims_output
 def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = False,
         progress: bool = True) -> artifacts.Report:
     """Measure the variants `src` (paths, NAME=PATH or Triton URLs) as `cfg` says; write OUT atomically; return the
@@ -51,57 +50,65 @@ def run(src: list[str], cfg: BenchConfig, out: str | Path, *, force: bool = Fals
     from t5compress.bench import report as reporting
 
     variants = src
-    started = time.perf_counter()
-    out = artifacts.check_output(out, force, inputs=[_paths(variants), cfg])
-    cfg = effective(cfg)
-    entries = resolve_all([str(v) for v in variants])
-    base = next((v for v in entries if v.kind == "pytorch"), None)
-    clash = [v.name for v in entries if v.name in cfg.peer_names and v.name != "pytorch"]  # that peer is a variant
-    if clash:
-        raise ConfigError(f"variant name {clash[0]!r} is also a peer's name; name it otherwise (NAME=PATH)")
-    if cfg.peer_names and base is None:
-        raise ConfigError("--peers are prepared from a PyTorch model dir, and no variant is one; add the model dir "
-                          "the exports came from")
-    first = entries[0].name  # agreement is against the first variant given, even when --edge puts int8 first
-    for v in entries:
-        if v.kind == "ctranslate2":
-            v.settings.setdefault("compute_type", "int8" if v.precision == "int8" else "default")
-        if v.kind == "onnx" and cfg.device != "cpu":
-            v.settings["device"] = cfg.device
-    if cfg.device != "cpu" and any(v.kind == "onnx" for v in entries):
-        from t5compress.runtime.device import providers_for
-
-        providers_for(cfg.device)  # no CUDA provider: one line now, not a failed variant after minutes
-    with artifacts.staged_output(out, force, inputs=[_paths(variants), cfg]) as tmp:
-        local = [v.path for v in entries if v.kind != "triton"]
-        if not local:
-            raise ConfigError("a Triton URL is measured with the tokenizer of a local variant: add the export or "
-                              "model dir the repository was built from")
-        inputs = build(cfg, local)
+    record = {"variants": list(variants), **dataclasses.asdict(cfg)}
+    with artifacts.envelope("bench", src, cfg, out, force=force, inputs=[_paths(variants), cfg], record=record,
+                            parent=None) as env:
+        cfg = effective(cfg)
+        entries = resolve_all([str(v) for v in variants])
+        base = next((v for v in entries if v.kind == "pytorch"), None)
+        clash = [v.name for v in entries if v.name in cfg.peer_names and v.name != "pytorch"]  # that peer is a variant
+        if clash:
+            raise ConfigError(f"variant name {clash[0]!r} is also a peer's name; name it otherwise (NAME=PATH)")
+        if cfg.peer_names and base is None:
+            raise ConfigError("--peers are prepared from a PyTorch model dir, and no variant is one; add the model "
+                              "dir the exports came from")
+        first = entries[0].name  # agreement is against the first variant given, even when --edge puts int8 first
         for v in entries:
-            if v.kind == "triton":
-                v.settings["tokenizer"] = str(inputs.tokenizer_dir)
-        (tmp / "logs").mkdir()
-        inputs.save(tmp / "inputs.npz")
-        peers, skipped = prepare_peers(cfg, base, tmp, progress) if base else ([], {})
-        measured = [*entries, *peers]
-        if cfg.edge:
-            measured.sort(key=lambda v: v.precision != "int8")
-        maps = vocab_maps(measured, base, inputs)
-        results = {v.name: measure(v, cfg, inputs, tmp, progress, maps.get(v.name)) for v in measured}
-        (tmp / "inputs.npz").unlink()
-        report = reporting.assemble(cfg, measured, results, inputs, skipped, first, out, tmp)
-        report["seconds"] = round(time.perf_counter() - started, 1)
-        if cfg.plots:
-            from t5compress.bench.plots import write_plots
+            if v.kind == "ctranslate2":
+                v.settings.setdefault("compute_type", "int8" if v.precision == "int8" else "default")
+            if v.kind == "onnx" and cfg.device != "cpu":
+                v.settings["device"] = cfg.device
+        if cfg.device != "cpu" and any(v.kind == "onnx" for v in entries):
+            from t5compress.runtime.device import providers_for
 
-            report["plots"] = write_plots(report, tmp)
-        artifacts.write_json(tmp / "bench.json", report)  # the name users and scripts know
-        artifacts.write_report(tmp, {"stage": "bench", **report})  # every stage's report.json
-        artifacts.write_meta(tmp, "bench", {"variants": list(variants), **dataclasses.asdict(cfg)}, parent=None)
-        (tmp / "report.md").write_text(reporting.markdown(report))
+            providers_for(cfg.device)  # no CUDA provider: one line now, not a failed variant after minutes
+        with env.staging() as tmp:
+            report = _measure_all(cfg, entries, base, first, env.out, tmp, progress)
+            report["seconds"] = env.seconds()
+            if cfg.plots:
+                from t5compress.bench.plots import write_plots
+
+                report["plots"] = write_plots(report, tmp)
+            artifacts.write_json(tmp / "bench.json", report)  # the name users and scripts know
+            env.report = {"stage": "bench", **report}  # every stage's report.json
+            (tmp / "report.md").write_text(reporting.markdown(report))
     log.info("bench written to %s", out)
     return report
+
+
+def _measure_all(cfg: BenchConfig, entries: list[Variant], base: Variant | None, first: str, out: Path, tmp: Path,
+                 progress: bool) -> dict:
+    """Every variant and peer measured on one set of inputs (saved in `tmp` while the workers run); the report."""
+    from t5compress.bench import report as reporting
+
+    local = [v.path for v in entries if v.kind != "triton"]
+    if not local:
+        raise ConfigError("a Triton URL is measured with the tokenizer of a local variant: add the export or "
+                          "model dir the repository was built from")
+    inputs = build(cfg, local)
+    for v in entries:
+        if v.kind == "triton":
+            v.settings["tokenizer"] = str(inputs.tokenizer_dir)
+    (tmp / "logs").mkdir()
+    inputs.save(tmp / "inputs.npz")
+    peers, skipped = prepare_peers(cfg, base, tmp, progress) if base else ([], {})
+    measured = [*entries, *peers]
+    if cfg.edge:
+        measured.sort(key=lambda v: v.precision != "int8")
+    maps = vocab_maps(measured, base, inputs)
+    results = {v.name: measure(v, cfg, inputs, tmp, progress, maps.get(v.name)) for v in measured}
+    (tmp / "inputs.npz").unlink()
+    return reporting.assemble(cfg, measured, results, inputs, skipped, first, out, tmp)
 
 
 def prepare_peers(cfg: BenchConfig, base: Variant, tmp: Path, progress: bool = True

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -193,55 +192,51 @@ def export_torchscript_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: E
 EXPORTERS: dict[str, Callable[..., dict]] = {"onnx": export_onnx_dir, "torchscript": export_torchscript_dir}
 
 
-@artifacts.claims_output
 def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, force: bool = False,
         progress: bool = True) -> artifacts.Report:
     """Export `src` to `out` as `cfg` says, verify it against PyTorch, and return the report (also in report.json)."""
     from t5compress.export.graphs import graph_specs, manifest
 
-    out = artifacts.check_output(out, force, inputs=[src, cfg])  # before loading anything heavy
-    if Path(src).is_dir():
-        check_stage_fits("export", Path(src) / "config.json", f"'{src}'")
-    hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
-    if hook is not None and cfg.dtype != "fp32":
-        raise ConfigError(f"--dtype {cfg.dtype}: '{src}' is a QAT model dir, whose export is int8 Q/DQ graphs with "
-                          "its learned scales; export it without --dtype")
-    model, tokenizer = _load(src)
-    exporter = EXPORTERS[cfg.format]
-    if hook is not None:
-        model, exporter = hook(src, model)
-    specs = graph_specs(model.config, masked_past=cfg.inflight)
-    started = time.perf_counter()
-    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-        section = exporter(model, specs, tmp, cfg)
-        model.config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        limits = _record_input_limit(src, tmp)
-        graphs = {name: io for name, io in manifest(specs).items() if name in cfg.graphs}
-        if DECODER_MERGED in cfg.graphs:
-            graphs[DECODER_MERGED] = _merged_io(specs)
-        artifacts.write_json(tmp / MANIFEST_FILE, graphs)
-        if cfg.search_graph:  # needs the config, tokenizer and graphs.json the runtime reads
-            from t5compress.export.generator import check_generator, write_generator
+    with artifacts.envelope("export", src, cfg, out, force=force) as env:  # claimed before loading anything heavy
+        if Path(src).is_dir():
+            check_stage_fits("export", Path(src) / "config.json", f"'{src}'")
+        hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
+        if hook is not None and cfg.dtype != "fp32":
+            raise ConfigError(f"--dtype {cfg.dtype}: '{src}' is a QAT model dir, whose export is int8 Q/DQ graphs "
+                              "with its learned scales; export it without --dtype")
+        model, tokenizer = _load(src)
+        exporter = EXPORTERS[cfg.format]
+        if hook is not None:
+            model, exporter = hook(src, model)
+        specs = graph_specs(model.config, masked_past=cfg.inflight)
+        with env.staging() as tmp:
+            section = exporter(model, specs, tmp, cfg)
+            model.config.save_pretrained(tmp)
+            model.generation_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            limits = _record_input_limit(src, tmp)
+            graphs = {name: io for name, io in manifest(specs).items() if name in cfg.graphs}
+            if DECODER_MERGED in cfg.graphs:
+                graphs[DECODER_MERGED] = _merged_io(specs)
+            artifacts.write_json(tmp / MANIFEST_FILE, graphs)
+            if cfg.search_graph:  # needs the config, tokenizer and graphs.json the runtime reads
+                from t5compress.export.generator import check_generator, write_generator
 
-            write_generator(tmp, section["external_data"])
-            section["search_graph"] = check_generator(tmp, cfg.max_new_tokens, strict=True)
-        from t5compress.model.load import describe
+                write_generator(tmp, section["external_data"])
+                section["search_graph"] = check_generator(tmp, cfg.max_new_tokens, strict=True)
+            from t5compress.model.load import describe
 
-        report = {
-            "stage": "export",
-            "format": cfg.format,
-            **section,
-            "model": describe(model),
-            "max_input_tokens": limits,
-            "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
-            "seconds": round(time.perf_counter() - started, 2),
-        }
-        artifacts.write_meta(tmp, "export", asdict(cfg), parent=src)
-        artifacts.write_report(tmp, report)
+            env.report = {
+                "stage": "export",
+                "format": cfg.format,
+                **section,
+                "model": describe(model),
+                "max_input_tokens": limits,
+                "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+                "seconds": env.seconds(2),
+            }
     log.info("export written to %s", out)
-    return report
+    return env.report
 
 
 def _load(src: str | os.PathLike):

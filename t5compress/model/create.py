@@ -32,7 +32,6 @@ class CreateConfig:
         check_overrides(self.overrides, self.overrides)  # a recipe's --dry-run refuses d_model: abc too
 
 
-@artifacts.claims_output
 def run(src: str | None, cfg: CreateConfig, out: str | Path, *, force: bool = False,
         progress: bool = True) -> artifacts.Report:
     """Build the tokenizer and the model of architecture `src` (None: `cfg.arch`), and write them as a Hugging Face
@@ -42,22 +41,18 @@ def run(src: str | None, cfg: CreateConfig, out: str | Path, *, force: bool = Fa
     if src is not None and src != cfg.arch:
         cfg = dataclasses.replace(cfg, arch=src)
 
-    artifacts.check_output(out, force, inputs=[cfg])
-    architecture(cfg.arch, cfg.overrides)  # fail on a bad name before training a tokenizer
-    texts: list[str] = []
-    if cfg.text:
-        for ex in load_examples(cfg.text, cfg.data):
-            texts += [cfg.data.prefix + ex.source, ex.target]
-    tokenizer = new_tokenizer(cfg.tokenizer, texts, vocab_size=cfg.vocab_size)
-    vocab = len(tokenizer)
-    vocab = (vocab + 127) // 128 * 128 if cfg.tokenizer == "unigram" else vocab  # T5 pads to a multiple of 128
-    vocab = cfg.overrides.get("vocab_size", vocab)
-    require(vocab >= len(tokenizer), "overrides", f"vocab_size must be >= {len(tokenizer)} tokens")
-    model = create_model(cfg.arch, vocab, cfg.overrides, seed=cfg.seed)
-    tok_info = {"kind": cfg.tokenizer, "size": len(tokenizer)}
-    report = {"stage": "create", "model": describe(model), "tokenizer": tok_info}
-    with artifacts.staged_output(out, force, inputs=[cfg]) as tmp:
-        save_model_dir(model, tokenizer, tmp)
-        artifacts.write_meta(tmp, "create", dataclasses.asdict(cfg), parent=None)
-        artifacts.write_report(tmp, report)
-    return report
+    with artifacts.envelope("create", None, cfg, out, force=force, inputs=[cfg]) as env:
+        architecture(cfg.arch, cfg.overrides)  # fail on a bad name before training a tokenizer
+        texts: list[str] = []
+        if cfg.text:
+            for ex in load_examples(cfg.text, cfg.data):
+                texts += [cfg.data.prefix + ex.source, ex.target]
+        tokenizer = new_tokenizer(cfg.tokenizer, texts, vocab_size=cfg.vocab_size)
+        vocab = len(tokenizer)
+        vocab = (vocab + 127) // 128 * 128 if cfg.tokenizer == "unigram" else vocab  # T5 pads to a multiple of 128
+        vocab = cfg.overrides.get("vocab_size", vocab)
+        require(vocab >= len(tokenizer), "overrides", f"vocab_size must be >= {len(tokenizer)} tokens")
+        model = create_model(cfg.arch, vocab, cfg.overrides, seed=cfg.seed)
+        tok_info = {"kind": cfg.tokenizer, "size": len(tokenizer)}
+        report = {"stage": "create", "model": describe(model), "tokenizer": tok_info}
+        return env.write(report, lambda tmp: save_model_dir(model, tokenizer, tmp))

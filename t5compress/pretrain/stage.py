@@ -142,7 +142,6 @@ def _set_dropout(model, p: float) -> float:
     return old
 
 
-@artifacts.claims_output
 def run(
     src: str | Path, cfg: PretrainConfig, out: str | Path, *, force: bool = False, progress: bool = True,
     resume: bool = False, on_step=None,
@@ -151,55 +150,53 @@ def run(
     from t5compress.model.architectures import architecture
     from t5compress.train.checkpoint import prepare_workdir
 
-    out = artifacts.check_output(out, force, inputs=[src, cfg])
-    corpus = corpus_of(src, cfg)
-    next(iter(corpus.documents()))  # fail on a missing, empty or malformed corpus before any other work
-    if cfg.is_new:
-        architecture(cfg.model, cfg.overrides)  # a bad name fails before anything is written
-    work = prepare_workdir(out, cfg, force, resume)
-    try:
-        model, tokenizer = _model_and_tokenizer(corpus, cfg, work, resume)
-        collator = SpanCorruption.for_tokenizer(tokenizer, inputs_length=cfg.inputs_length,
-                                                noise_density=cfg.noise_density,
-                                                mean_noise_span_length=cfg.mean_noise_span_length)
-        evalset = SpanEval.build(corpus, tokenizer, collator, cfg.train.eval_max_examples,
-                                 cfg.train.eval_batch_size, seed=cfg.seed)
-        before = artifacts.read_json(work / "eval_before.json")
-        if before is None:
-            before = evalset.evaluate(model)
-            artifacts.write_json(work / "eval_before.json", before)
-    except BaseException:
-        if not resume:  # nothing trained yet: leave no work dir that a rerun would have to --force away
-            shutil.rmtree(work, ignore_errors=True)
-        raise
-    stream = PackedStream(corpus, tokenizer, collator, cfg.train.batch_size, seed=cfg.seed,
-                          shuffle_buffer=cfg.shuffle_buffer)
-    saved_rate = _set_dropout(model, cfg.dropout)
-    train = _resolved(cfg.train)
-    summary = fit(model, tokenizer, stream, evalset, train, work, resume, loss_fn=span_loss, progress=progress,
-                  on_step=on_step, label="pretrain", lower_with="--batch-size, --inputs-length, --max-steps")
-    _set_dropout(model, saved_rate)
-    from t5compress.train.checkpoint import load_best
+    record = {"corpus": str(src), **dataclasses.asdict(cfg)}
+    parent = None if cfg.is_new else cfg.model
+    with artifacts.envelope("pretrain", src, cfg, out, force=force, record=record, parent=parent) as env:
+        corpus = corpus_of(src, cfg)
+        next(iter(corpus.documents()))  # fail on a missing, empty or malformed corpus before any other work
+        if cfg.is_new:
+            architecture(cfg.model, cfg.overrides)  # a bad name fails before anything is written
+        work = prepare_workdir(env.out, cfg, force, resume)
+        try:
+            model, tokenizer = _model_and_tokenizer(corpus, cfg, work, resume)
+            collator = SpanCorruption.for_tokenizer(tokenizer, inputs_length=cfg.inputs_length,
+                                                    noise_density=cfg.noise_density,
+                                                    mean_noise_span_length=cfg.mean_noise_span_length)
+            evalset = SpanEval.build(corpus, tokenizer, collator, cfg.train.eval_max_examples,
+                                     cfg.train.eval_batch_size, seed=cfg.seed)
+            before = artifacts.read_json(work / "eval_before.json")
+            if before is None:
+                before = evalset.evaluate(model)
+                artifacts.write_json(work / "eval_before.json", before)
+        except BaseException:
+            if not resume:  # nothing trained yet: leave no work dir that a rerun would have to --force away
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+        stream = PackedStream(corpus, tokenizer, collator, cfg.train.batch_size, seed=cfg.seed,
+                              shuffle_buffer=cfg.shuffle_buffer)
+        saved_rate = _set_dropout(model, cfg.dropout)
+        train = _resolved(cfg.train)
+        summary = fit(model, tokenizer, stream, evalset, train, work, resume, loss_fn=span_loss, progress=progress,
+                      on_step=on_step, label="pretrain", lower_with="--batch-size, --inputs-length, --max-steps")
+        _set_dropout(model, saved_rate)
+        from t5compress.train.checkpoint import load_best
 
-    best = load_best(work, model)
-    after = evalset.evaluate(model)
-    report = {
-        "stage": "pretrain",
-        "model": describe(model),
-        "corpus": {"source": str(src), "held_out_examples": evalset.examples, "holdout_every": cfg.holdout_every},
-        "objective": {"inputs_length": cfg.inputs_length, "tokens_length": collator.tokens_length,
-                      "targets_length": collator.targets_length, "noise_density": cfg.noise_density,
-                      "mean_noise_span_length": cfg.mean_noise_span_length},
-        "tokens_trained": summary["steps"] * cfg.train.batch_size * cfg.train.grad_accum
-        * (cfg.inputs_length + collator.targets_length),
-        "eval_before": before,
-        "eval": {**after, "step": (best or {}).get("step", summary["steps"])},
-        "train": {**summary, "precision": train.precision},
-    }
-    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-        save_model_dir(model, tokenizer, tmp)
-        artifacts.write_meta(tmp, "pretrain", {"corpus": str(src), **dataclasses.asdict(cfg)},
-                             parent=None if cfg.is_new else cfg.model)
-        artifacts.write_report(tmp, report)
-    shutil.rmtree(work, ignore_errors=True)
-    return report
+        best = load_best(work, model)
+        after = evalset.evaluate(model)
+        report = {
+            "stage": "pretrain",
+            "model": describe(model),
+            "corpus": {"source": str(src), "held_out_examples": evalset.examples, "holdout_every": cfg.holdout_every},
+            "objective": {"inputs_length": cfg.inputs_length, "tokens_length": collator.tokens_length,
+                          "targets_length": collator.targets_length, "noise_density": cfg.noise_density,
+                          "mean_noise_span_length": cfg.mean_noise_span_length},
+            "tokens_trained": summary["steps"] * cfg.train.batch_size * cfg.train.grad_accum
+            * (cfg.inputs_length + collator.targets_length),
+            "eval_before": before,
+            "eval": {**after, "step": (best or {}).get("step", summary["steps"])},
+            "train": {**summary, "precision": train.precision},
+        }
+        env.write(report, lambda tmp: save_model_dir(model, tokenizer, tmp))
+        shutil.rmtree(work, ignore_errors=True)
+        return report

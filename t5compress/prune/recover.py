@@ -147,7 +147,6 @@ def aligned_teacher(teacher_dir: str | Path, tokenizer):
     return trim_vocab(teacher, own, ids)[0]
 
 
-@artifacts.claims_output
 def run(src: str | Path, cfg: RecoverConfig, out: str | Path, *, force: bool = False, progress: bool = True,
         resume: bool = False, on_step=None) -> artifacts.Report:
     """Recover the pruned model `src` into `out`; the report has the metric before and after."""
@@ -155,21 +154,18 @@ def run(src: str | Path, cfg: RecoverConfig, out: str | Path, *, force: bool = F
     from t5compress.prune.measure import measure_eval
     from t5compress.train.checkpoint import prepare_workdir
 
-    out = artifacts.check_output(out, force, inputs=[src, cfg])
-    model, tokenizer = load_model(src), load_tokenizer(src)
-    teacher = aligned_teacher(teacher_of(src, cfg), tokenizer) if cfg.distill else None
-    work = prepare_workdir(out, cfg, force, resume)
-    _, eval_ex, _ = load_splits(cfg.data, cfg.eval_data, cfg.data_cfg)
-    eval_ex = eval_ex[: cfg.train.eval_max_examples]
-    before = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)
-    section = recover_model(model, tokenizer, teacher, cfg, work, resume, progress, on_step)
-    after = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)
-    report = {"stage": "recover", "model": describe(model), "teacher": teacher_of(src, cfg) if cfg.distill else None,
-              "eval_before": before, "eval_after": after, "eval": after, **section}
-    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-        save_model_dir(model, tokenizer, tmp)
-        artifacts.write_meta(tmp, "recover", dataclasses.asdict(cfg), parent=src)
-        artifacts.write_report(tmp, report)
-    shutil.rmtree(work, ignore_errors=True)
-    return report
-
+    with artifacts.envelope("recover", src, cfg, out, force=force) as env:
+        model, tokenizer = load_model(src), load_tokenizer(src)
+        teacher = aligned_teacher(teacher_of(src, cfg), tokenizer) if cfg.distill else None
+        work = prepare_workdir(env.out, cfg, force, resume)
+        _, eval_ex, _ = load_splits(cfg.data, cfg.eval_data, cfg.data_cfg)
+        eval_ex = eval_ex[: cfg.train.eval_max_examples]
+        before = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)
+        section = recover_model(model, tokenizer, teacher, cfg, work, resume, progress, on_step)
+        after = measure_eval(model, tokenizer, eval_ex, cfg.data_cfg, cfg.train.eval_batch_size)
+        teacher_dir = teacher_of(src, cfg) if cfg.distill else None
+        report = {"stage": "recover", "model": describe(model), "teacher": teacher_dir, "eval_before": before,
+                  "eval_after": after, "eval": after, **section}
+        env.write(report, lambda tmp: save_model_dir(model, tokenizer, tmp))
+        shutil.rmtree(work, ignore_errors=True)
+        return report

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass
 
 from t5compress import artifacts
@@ -167,7 +166,6 @@ def _trim_vocab(model, tokenizer, job: dict, cfg: PruneConfig):
                      "kept": job["reasons"], "before": before, "after": after, "segmentation_changed": seg}
 
 
-@artifacts.claims_output
 def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, force: bool = False,
         progress: bool = True, resume: bool = False, on_step=None) -> artifacts.Report:
     """Prune `src` into `out` as `cfg` says (recovering when `cfg.recover`); returns the report."""
@@ -177,55 +175,52 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, for
 
     if resume and cfg.recover is None:
         raise ConfigError("resume: only a recovery can be resumed; give the same --recover-data as the first run")
-    out = artifacts.check_output(out, force, inputs=[src, cfg])
-    model, tokenizer = load_model(src), load_tokenizer(src)
-    job = _vocab_plan(tokenizer, cfg) if cfg.vocab else None
-    calib_ex, eval_ex, data_stats = load_splits(cfg.calib_data or cfg.vocab, cfg.eval_data, cfg.data)
-    eval_ex = eval_ex[: cfg.eval_max_examples]
-    targets = cfg.targets()
-    if cfg.structural:
-        from t5compress.prune.importance import magnitude
+    with artifacts.envelope("prune", src, cfg, out, force=force) as env:
+        model, tokenizer = load_model(src), load_tokenizer(src)
+        job = _vocab_plan(tokenizer, cfg) if cfg.vocab else None
+        calib_ex, eval_ex, data_stats = load_splits(cfg.calib_data or cfg.vocab, cfg.eval_data, cfg.data)
+        eval_ex = eval_ex[: cfg.eval_max_examples]
+        targets = cfg.targets()
+        if cfg.structural:
+            from t5compress.prune.importance import magnitude
 
-        SCHEDULES[cfg.schedule](model, magnitude(model), targets)  # rejects impossible ratios before heavy work
-    work = None
-    if cfg.recover is not None:
-        from t5compress.train.checkpoint import prepare_workdir
+            SCHEDULES[cfg.schedule](model, magnitude(model), targets)  # rejects impossible ratios before heavy work
+        work = None
+        if cfg.recover is not None:
+            from t5compress.train.checkpoint import prepare_workdir
 
-        work = prepare_workdir(out, cfg, force, resume)
-    started = time.perf_counter()
-    before = _snapshot(model, tokenizer, eval_ex, cfg)
-    unpruned = copy.deepcopy(model) if cfg.latency_examples or (cfg.recover and cfg.recover.distill) else None
-    plan = _prune(model, tokenizer, calib_ex, cfg, targets, progress) if cfg.structural else None
-    untrimmed, vocab_report = tokenizer, None
-    if job is not None:
-        tokenizer, vocab_report = _trim_vocab(model, tokenizer, job, cfg)
-    pruned = _snapshot(model, tokenizer, eval_ex, cfg)
-    before["latency_ms"], pruned["latency_ms"] = measure.latency_ms(
-        [unpruned, model], [untrimmed, tokenizer], eval_ex[: cfg.latency_examples], cfg.data, cfg.latency_new_tokens)
-    log.info("pruned: %d -> %d parameters", before["parameters"], pruned["parameters"])
-    report = {
-        "stage": "prune", "criterion": cfg.criterion, "schedule": cfg.schedule, "targets": targets.ratios,
-        "plain": units.is_plain(model), "kept": plan and schedule.summary(plan), "model": describe(model),
-        "data": data_stats, "before": before, "after_pruning": pruned, "after_recovery": None, "recovery": None,
-        "vocab": vocab_report,
-    }
-    if cfg.recover is not None:
-        from t5compress.prune.recover import recover_model
+            work = prepare_workdir(env.out, cfg, force, resume)
+        before = _snapshot(model, tokenizer, eval_ex, cfg)
+        unpruned = copy.deepcopy(model) if cfg.latency_examples or (cfg.recover and cfg.recover.distill) else None
+        plan = _prune(model, tokenizer, calib_ex, cfg, targets, progress) if cfg.structural else None
+        untrimmed, vocab_report = tokenizer, None
+        if job is not None:
+            tokenizer, vocab_report = _trim_vocab(model, tokenizer, job, cfg)
+        pruned = _snapshot(model, tokenizer, eval_ex, cfg)
+        before["latency_ms"], pruned["latency_ms"] = measure.latency_ms(
+            [unpruned, model], [untrimmed, tokenizer], eval_ex[: cfg.latency_examples], cfg.data,
+            cfg.latency_new_tokens)
+        log.info("pruned: %d -> %d parameters", before["parameters"], pruned["parameters"])
+        report = {
+            "stage": "prune", "criterion": cfg.criterion, "schedule": cfg.schedule, "targets": targets.ratios,
+            "plain": units.is_plain(model), "kept": plan and schedule.summary(plan), "model": describe(model),
+            "data": data_stats, "before": before, "after_pruning": pruned, "after_recovery": None, "recovery": None,
+            "vocab": vocab_report,
+        }
+        if cfg.recover is not None:
+            from t5compress.prune.recover import recover_model
 
-        teacher = _teacher(unpruned, untrimmed, job) if cfg.recover.distill else None
-        report["recovery"] = recover_model(model, tokenizer, teacher, cfg.recover, work, resume, progress, on_step)
-        report["after_recovery"] = {**pruned, **_snapshot(model, tokenizer, eval_ex, cfg)}  # same shapes, new metric
-    report["eval"] = (report["after_recovery"] or pruned)["eval"]  # what `t5compress info` shows
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    if not report["plain"]:
-        report["layout"] = layout.layout_of(model)
-    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-        save_model_dir(model, tokenizer, tmp)
-        artifacts.write_meta(tmp, "prune", dataclasses.asdict(cfg), parent=src)
-        artifacts.write_report(tmp, report)
-    if work is not None:
-        shutil.rmtree(work, ignore_errors=True)
-    return report
+            teacher = _teacher(unpruned, untrimmed, job) if cfg.recover.distill else None
+            report["recovery"] = recover_model(model, tokenizer, teacher, cfg.recover, work, resume, progress, on_step)
+            report["after_recovery"] = {**pruned, **_snapshot(model, tokenizer, eval_ex, cfg)}  # same shapes
+        report["eval"] = (report["after_recovery"] or pruned)["eval"]  # what `t5compress info` shows
+        report["seconds"] = env.seconds()
+        if not report["plain"]:
+            report["layout"] = layout.layout_of(model)
+        env.write(report, lambda tmp: save_model_dir(model, tokenizer, tmp))
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        return report
 
 
 def _teacher(unpruned, tokenizer, job: dict | None):

@@ -9,7 +9,6 @@ writes QuantizeLinear/DequantizeLinear graphs carrying those scales. Resumable a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -40,47 +39,45 @@ class QatConfig:
     quant: FakeQuantConfig = field(default_factory=FakeQuantConfig, metadata={"help": "Fake-quantization scheme."})
 
 
-@artifacts.claims_output
 def run(
     src: str, cfg: QatConfig, out: str | Path, *, force: bool = False, progress: bool = True,
     resume: bool = False, on_step=None,
 ) -> artifacts.Report:
     """Quantization-aware fine-tuning of `src`; writes the best model and its scales to `out`. Returns the report."""
-    out = artifacts.check_output(out, force, inputs=[src, cfg])
-    s = open_session(src, cfg.finetune, out, force, resume, record=cfg)
-    fp32_start = _evaluate(s, cfg) if s.is_main else None
-    prepare(s.model, cfg.quant)
-    calibrate(s.model, _calibration_batches(s, cfg))
-    calibrated = _evaluate(s, cfg) if s.is_main else None
-    result = fit_session(s, cfg.finetune, resume, progress, on_step, label="qat")
-    if not s.is_main:
-        return {"stage": "qat", **result}
-    sizes = weight_bytes(s.model)
-    scales = summarize(s.model)
-    from t5compress.model.load import describe, save_model_dir
+    with artifacts.envelope("qat", src, cfg, out, force=force) as env:
+        s = open_session(src, cfg.finetune, env.out, force, resume, record=cfg)
+        fp32_start = _evaluate(s, cfg) if s.is_main else None
+        prepare(s.model, cfg.quant)
+        calibrate(s.model, _calibration_batches(s, cfg))
+        calibrated = _evaluate(s, cfg) if s.is_main else None
+        result = fit_session(s, cfg.finetune, resume, progress, on_step, label="qat")
+        if not s.is_main:
+            return {"stage": "qat", **result}
+        sizes = weight_bytes(s.model)
+        scales = summarize(s.model)
+        from t5compress.model.load import describe, save_model_dir
 
-    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-        quant_info = save_scales(s.model, tmp, cfg.quant)
-        strip(s.model)
-        fp32_end = _evaluate(s, cfg)  # the same weights without fake quantization: what plain HF loading gives
-        report = {
-            "stage": "qat",
-            "model": describe(s.model),
-            "data": s.data_report,
-            "train": result["train"],
-            "eval": result["eval"],
-            "metrics": {"fp32_start": fp32_start, "int8_calibrated": calibrated, "int8_qat": _metrics(result["eval"]),
-                        "fp32_after_qat": fp32_end},
-            "sizes": sizes,
-            "scales": scales,
-            "quantization": {k: quant_info[k] for k in ("weights", "activations", "shared_inputs")},
-        }
-        save_model_dir(s.model, s.tokenizer, tmp)
-        report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        artifacts.write_meta(tmp, "qat", dataclasses.asdict(cfg), parent=src)
-        artifacts.write_report(tmp, report)
-    shutil.rmtree(s.work, ignore_errors=True)
-    return report
+        with env.staging() as tmp:
+            quant_info = save_scales(s.model, tmp, cfg.quant)
+            strip(s.model)
+            fp32_end = _evaluate(s, cfg)  # the same weights without fake quantization: what plain HF loading gives
+            report = {
+                "stage": "qat",
+                "model": describe(s.model),
+                "data": s.data_report,
+                "train": result["train"],
+                "eval": result["eval"],
+                "metrics": {"fp32_start": fp32_start, "int8_calibrated": calibrated,
+                            "int8_qat": _metrics(result["eval"]), "fp32_after_qat": fp32_end},
+                "sizes": sizes,
+                "scales": scales,
+                "quantization": {k: quant_info[k] for k in ("weights", "activations", "shared_inputs")},
+            }
+            save_model_dir(s.model, s.tokenizer, tmp)
+            report["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            env.report = report
+        shutil.rmtree(s.work, ignore_errors=True)
+        return report
 
 
 def _calibration_batches(s: Session, cfg: QatConfig):

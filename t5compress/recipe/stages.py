@@ -104,17 +104,15 @@ def run_data(src: None, spec: DataSpec, out: Path, *, force: bool = True, progre
     """The recipe's `data` stage: generated examples, or the user's files named."""
     from t5compress.tasks import make_examples, write_jsonl
 
-    with artifacts.staged_output(out, force) as tmp:
+    with artifacts.envelope("data", None, spec, out, force=force, inputs=()) as env, env.staging() as tmp:
         if spec.generate:
             write_jsonl(tmp / "train.jsonl", make_examples(spec.train_examples, spec.seed))
             write_jsonl(tmp / "eval.jsonl", make_examples(spec.eval_examples, spec.seed + 1))
             counts = {"train": spec.train_examples, "eval": spec.eval_examples}
         else:
             counts = {"train": spec.train, "eval": spec.eval}
-        report = {"stage": "data", "generated": spec.generate, "examples": counts}
-        artifacts.write_meta(tmp, "data", dataclasses.asdict(spec), parent=None)
-        artifacts.write_report(tmp, report)
-    return report
+        env.report = {"stage": "data", "generated": spec.generate, "examples": counts}
+    return env.report
 
 
 # --- load ------------------------------------------------------------------------------------------------------
@@ -135,13 +133,10 @@ def run_load(src: str, spec: LoadSpec, out: Path, *, force: bool = True, progres
     """The recipe's `load` stage: a checkpoint from the Hub or a local directory, saved as a model dir."""
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
 
-    model, tokenizer = load_model(src), load_tokenizer(src)
-    report = {"stage": "load", "source": src, "model": describe(model)}
-    with artifacts.staged_output(out, force, inputs=[src]) as tmp:
-        save_model_dir(model, tokenizer, tmp)
-        artifacts.write_meta(tmp, "load", dataclasses.asdict(spec), parent=src)
-        artifacts.write_report(tmp, report)
-    return report
+    with artifacts.envelope("load", src, spec, out, force=force, inputs=[src]) as env:
+        model, tokenizer = load_model(src), load_tokenizer(src)
+        report = {"stage": "load", "source": src, "model": describe(model)}
+        return env.write(report, lambda tmp: save_model_dir(model, tokenizer, tmp))
 
 
 # --- the stages that already exist as CLI commands ----------------------------------------------------------------

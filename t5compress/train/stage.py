@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -69,24 +68,20 @@ def fit_session(s: Session, cfg: FinetuneConfig, resume: bool, progress: bool = 
     return {"train": summary, "eval": _load_best(s.model, s.work) if s.is_main else None}
 
 
-@artifacts.claims_output
 def run(
     src: str, cfg: FinetuneConfig, out: str | Path, *, force: bool = False, progress: bool = True,
     resume: bool = False, on_step=None,
 ) -> artifacts.Report:
     """Fine-tune `src` (model dir or hub id) and write the best model to `out`. Returns the report."""
-    out = artifacts.check_output(out, force, inputs=[src, cfg])
-    s = open_session(src, cfg, out, force, resume)
-    result = fit_session(s, cfg, resume, progress, on_step)
-    if not s.is_main:
-        return {"stage": "train", **result}
-    report = {"stage": "train", "model": describe(s.model), "data": s.data_report, **result}
-    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-        save_model_dir(s.model, s.tokenizer, tmp)
-        artifacts.write_meta(tmp, "train", dataclasses.asdict(cfg), parent=src)
-        artifacts.write_report(tmp, report)
-    shutil.rmtree(s.work, ignore_errors=True)
-    return report
+    with artifacts.envelope("train", src, cfg, out, force=force) as env:
+        s = open_session(src, cfg, env.out, force, resume)
+        result = fit_session(s, cfg, resume, progress, on_step)
+        if not s.is_main:
+            return {"stage": "train", **result}
+        report = {"stage": "train", "model": describe(s.model), "data": s.data_report, **result}
+        env.write(report, lambda tmp: save_model_dir(s.model, s.tokenizer, tmp))
+        shutil.rmtree(s.work, ignore_errors=True)
+        return report
 
 
 def _load_best(model, work: Path) -> dict | None:

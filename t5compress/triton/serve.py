@@ -9,7 +9,6 @@ the server stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import tempfile
@@ -52,35 +51,32 @@ def run(src: str | os.PathLike, cfg: ServeConfig, out: str | os.PathLike | None 
     called once the models are loaded. Returns the report (also written into `out`, if given)."""
     from t5compress.triton.server import Ports, ServerError, find_server, start
 
-    if out is not None:
-        artifacts.check_output(out, force, inputs=[src, cfg])
-    server = find_server(cfg.tritonserver)
-    src = Path(src)
-    if not src.is_dir():
-        raise ModelError(f"'{src}' is not a directory; write a repository with `t5compress triton EXPORT_DIR {src}`")
-    log_path = Path(cfg.log_file) if cfg.log_file else _fresh_log()
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
-    ports = Ports(cfg.http_port, cfg.grpc_port, cfg.metrics_port)
-    running = start(server, src, ports, host=cfg.host, log_path=log_path, wait=None)  # opens the log safely
-    started, ended = time.monotonic(), "stopped"
-    try:
-        running.wait_ready(cfg.timeout)
-        if on_ready is not None:
-            on_ready(running, log_path)
-        code = running.process.wait()
-        ended = f"exited with code {code}"
-    except KeyboardInterrupt:
-        pass
-    finally:
-        code = running.stop()
-    report = {"stage": "serve", "repository": str(src), "server": server.origin, "http": running.http_url,
-              "grpc": running.grpc_url, "metrics": running.metrics_url, "log": str(log_path), "ended": ended,
-              "exit_code": code, "seconds": round(time.monotonic() - started, 1)}
-    if out is not None:
-        with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-            artifacts.write_meta(tmp, "serve", dataclasses.asdict(cfg), parent=src)
-            artifacts.write_report(tmp, report)
+    with artifacts.envelope("serve", src, cfg, out, force=force) as env:  # no `out`: nothing claimed or written
+        server = find_server(cfg.tritonserver)
+        src = Path(src)
+        if not src.is_dir():
+            raise ModelError(f"'{src}' is not a directory; write a repository with `t5compress triton EXPORT_DIR "
+                             f"{src}`")
+        log_path = Path(cfg.log_file) if cfg.log_file else _fresh_log()
+        signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
+        ports = Ports(cfg.http_port, cfg.grpc_port, cfg.metrics_port)
+        running = start(server, src, ports, host=cfg.host, log_path=log_path, wait=None)  # opens the log safely
+        started, ended = time.monotonic(), "stopped"
+        try:
+            running.wait_ready(cfg.timeout)
+            if on_ready is not None:
+                on_ready(running, log_path)
+            code = running.process.wait()
+            ended = f"exited with code {code}"
+        except KeyboardInterrupt:
+            pass
+        finally:
+            code = running.stop()
+        report = env.write({"stage": "serve", "repository": str(src), "server": server.origin,
+                            "http": running.http_url, "grpc": running.grpc_url, "metrics": running.metrics_url,
+                            "log": str(log_path), "ended": ended, "exit_code": code,
+                            "seconds": round(time.monotonic() - started, 1)})  # how long it served
     if ended != "stopped":
         raise ServerError(f"tritonserver {ended} (log: {log_path})")
     return report

@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from t5compress import artifacts
@@ -118,32 +117,28 @@ def check_export(src: Path, search_graph: bool = False) -> None:
                          "`t5compress export MODEL OUT --search-graph`")
 
 
-@artifacts.claims_output
 def run(src: str | os.PathLike, cfg: TritonConfig, out: str | os.PathLike, *, force: bool = False,
         progress: bool = True) -> artifacts.Report:
     """Write the model repository for export dir `src` to `out`; returns the report (also in `out`/report.json)."""
     src = Path(src)
-    out = artifacts.check_output(out, force, inputs=[src, cfg])
-    check_export(src, cfg.search_graph)
-    started = time.perf_counter()
-    models = plan(src, cfg)  # every config checked before the first file is written
-    with artifacts.staged_output(out, force, inputs=[src, cfg]) as tmp:
-        for model in models:
-            repository.write(model, tmp)
-        report = {
-            "stage": "triton",
-            "flavour": cfg.flavour,
-            "decoupled": cfg.inflight,
-            "inflight_batching": cfg.inflight and repository.has_inflight_layout(src),
-            "kind": cfg.kind,
-            "models": {m.name: _describe(m) for m in models},
-            "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
-            "seconds": round(time.perf_counter() - started, 2),
-        }
-        artifacts.write_meta(tmp, "triton", asdict(cfg), parent=src)
-        artifacts.write_report(tmp, report)
+    with artifacts.envelope("triton", src, cfg, out, force=force) as env:
+        check_export(src, cfg.search_graph)
+        models = plan(src, cfg)  # every config checked before the first file is written
+        with env.staging() as tmp:
+            for model in models:
+                repository.write(model, tmp)
+            env.report = {
+                "stage": "triton",
+                "flavour": cfg.flavour,
+                "decoupled": cfg.inflight,
+                "inflight_batching": cfg.inflight and repository.has_inflight_layout(src),
+                "kind": cfg.kind,
+                "models": {m.name: _describe(m) for m in models},
+                "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
+                "seconds": env.seconds(2),
+            }
     log.info("model repository written to %s", out)
-    return report
+    return env.report
 
 
 def _describe(model: repository.ModelPlan) -> dict:
