@@ -112,17 +112,19 @@ def _cell(r: dict, key: str) -> str:
 
 
 def prune(r: dict) -> Rows:
-    """Each measure before pruning → right after it → after recovery; the vocabulary trim; the layout written."""
+    """Parameters before → after and the final metrics; what was pruned; each measure before pruning → right after
+    it → after recovery; the vocabulary trim; the layout written."""
     cols = [("before", r.get("before")), ("pruned", r.get("after_pruning")), ("recovered", r.get("after_recovery"))]
     cols = [(name, c) for name, c in cols if c]
-    if not cols:
-        return []
-    heads = " → ".join(name for name, _ in cols)
-    rows = [(f"{label} ({heads})" if key == "parameters" else label, " → ".join(_cell(c, key) for _, c in cols))
-            for key, label in PRUNE_ROWS.items()]
+    before, after = (r.get("before") or {}).get("parameters"), (r.get("model") or {}).get("parameters")
+    size = f"{before:,} → {after:,} parameters" if isinstance(before, int) and isinstance(after, int) else ""
     how = [r["schedule"], r["criterion"]] if r.get("kept") else []
     how += ["vocabulary"] if r.get("vocab") else []
-    rows.insert(1, ("pruned", ", ".join(how)))
+    final = metrics(r.get("eval"), METRICS[:2])
+    rows = [("pruned", "; ".join(p for p in (size, final) if p)), ("how", ", ".join(how))]
+    if cols:
+        rows.append(("measured", " → ".join(name for name, _ in cols)))
+        rows += [(label, " → ".join(_cell(c, key) for _, c in cols)) for key, label in PRUNE_ROWS.items()]
     if r.get("vocab"):
         rows.append(("vocabulary", vocab(r["vocab"])))
     if "plain" in r:

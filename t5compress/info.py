@@ -86,7 +86,7 @@ def inspect_dir(path: str | Path) -> dict[str, Any]:
 
 
 def _stage_help(name: str | None) -> str | None:
-    """What the stage that made a directory does, from the stage registry (recipe-only stages are not in it)."""
+    """What the stage that made a directory does, from the stage registry."""
     from t5compress.stages import STAGES
 
     spec = STAGES.get(name or "")
