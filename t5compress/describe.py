@@ -68,10 +68,11 @@ def load(r: dict) -> Rows:
 def pretrain(r: dict) -> Rows:
     ev, before = r.get("eval") or {}, (r.get("eval_before") or {}).get("loss", "-")
     where = f" (step {ev.get('step')}, {ev.get('examples')} examples)" if "step" in ev else ""
-    tr = r.get("train") or {}
+    tr, n = r.get("train") or {}, (r.get("model") or {}).get("parameters")
     speed = f"{tr['tokens_per_second']:,.0f} tokens/s" if isinstance(tr.get("tokens_per_second"), float | int) else ""
-    return [("held-out span-corruption loss", f"{before} → {ev.get('loss', '-')}{where}"),
-            ("model", _model(r.get("model"))), *_trained(tr, speed)]
+    trained = [(label, f"{n / 1e6:.2f}M parameters, {text}" if isinstance(n, int) else text)
+               for label, text in _trained(tr, speed)]
+    return [("held-out span-corruption loss", f"{before} → {ev.get('loss', '-')}{where}"), *trained]
 
 
 def train(r: dict) -> Rows:
