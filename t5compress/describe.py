@@ -1,7 +1,7 @@
 """Each stage's report told to people, one function per stage (the stage registry names it): (what, value) rows, the
 key numbers first. The CLI prints them after a stage ran, `info` shows them for a directory, and a recipe's results
-table shows the first row's value. Reports written by older versions lack some keys: a row whose numbers are missing
-is left out, never an error.
+table shows the first row's value. A row whose numbers a report lacks (older versions wrote fewer keys) is left
+out where the stage's report allows it.
 
     rows = stage("train").describe(json.loads(Path("runs/ft/report.json").read_text()))
     # [("eval", "exact_match 61.5, rougeL 80.2, bleu 55.1, loss 0.412 (step 400, 200 examples)"), ("trained", ...)]
