@@ -86,7 +86,7 @@ def inspect_dir(path: str | Path) -> dict[str, Any]:
 
 
 def _stage_help(name: str | None) -> str | None:
-    """What the stage that made a directory does, from the stage registry (recipe-only stages are not in it)."""
+    """What the stage that made a directory does, from the stage registry."""
     from t5compress.stages import STAGES
 
     spec = STAGES.get(name or "")
@@ -101,83 +101,12 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _metric_rows(report: dict) -> list[tuple[str, str]]:
-    rows = []
-    ev = report.get("eval") or {}
-    for k in ("loss", "exact_match", "rougeL", "bleu", "examples", "step"):
-        if k in ev:
-            rows.append((f"eval {k}", str(ev[k])))
-    parity = report.get("parity") or {}
-    if report.get("stage") == "export" and report.get("format") == "onnx":
-        rows.append(("dtype", _dtype_row(report)))
-    if "max_abs_diff" in parity:
-        diffs = ", ".join(f"{g.removesuffix('_model')} {d:.1e}" for g, d in parity["max_abs_diff"].items())
-        rows.append(("max |export - PyTorch|", f"{diffs} (atol {parity.get('atol')})"))
-    if "token_agreement" in parity and report.get("stage") == "export":  # half precision: agreement with fp32
-        rows.append(("greedy agreement with fp32", f"{parity['token_agreement']['agreement']:.1%}"))
-    elif "generation" in parity:
-        rows.append(("greedy == generate", "yes" if parity["generation"].get("identical") else "NO"))
-    return rows + _search_graph_rows(report) + _int8_rows(report) + (
-        _qat_rows(report) if report.get("stage") == "qat" else [])
+def _report_rows(report: dict) -> list[tuple[str, str]]:
+    """What the stage that made the directory measured, told by that stage (the registry names how)."""
+    from t5compress.stages import STAGES
 
-
-def _search_graph_rows(report: dict) -> list[tuple[str, str]]:
-    """generator.onnx (export / quantize --search-graph): how its search matched the Python search's tokens."""
-    graphs = report.get("graphs")  # quantize: a dict per graph; export: the graph names
-    check = report.get("search_graph") or (graphs.get("search_graph") if isinstance(graphs, dict) else None)
-    if not isinstance(check, dict) or "greedy" not in check:
-        return []
-    rows = check["rows"]
-    return [("search graph", f"generator.onnx: greedy {check['greedy']['identical_rows']}/{rows}, beam 2 "
-                             f"{check['beam2']['identical_rows']}/{rows} rows as the Python search (--search graph)")]
-
-
-def _dtype_row(report: dict) -> str:
-    """An export's precision: fp32, or e.g. 'fp16 (wo, residual sums, logits fp32; cache float16)'."""
-    dtype = report.get("dtype", "fp32")  # exports made before --dtype are fp32
-    if dtype == "fp32":
-        return dtype
-    cache = ((report.get("parity") or {}).get("dtypes") or {}).get("decoder_with_past_model", {}).get("cache", "?")
-    return f"{dtype} (wo, residual sums, logits fp32; cache {cache})"
-
-
-_QAT_ROWS = (("fp32_start", "fp32 at the start"), ("int8_calibrated", "int8, calibrated"),
-             ("int8_qat", "int8 after QAT"), ("fp32_after_qat", "fp32 weights after QAT"))
-
-
-def _qat_rows(report: dict) -> list[tuple[str, str]]:
-    """What `qat` measured: loss and task metrics of fp32 and fake-quant int8, before and after training."""
-    metrics = report.get("metrics") or {}
-    rows = []
-    for key, label in _QAT_ROWS:
-        m = metrics.get(key)
-        if m:
-            rows.append((label, ", ".join(f"{k} {m[k]}" for k in ("loss", "exact_match", "rougeL", "bleu") if k in m)))
-    return rows
-
-
-def _int8_rows(report: dict) -> list[tuple[str, str]]:
-    """What `quantize` measured: mode, size against fp32, agreement with fp32, task metrics side by side."""
-    if report.get("stage") != "quantize":
-        return []
-    how = report["mode"] + (f", {report['method']}, {report['format']}" if report["mode"] == "static" else
-                            f", blocks of {report['block_size']}" if report["mode"] == "blockwise" else "")
-    size, check = report["size"], report["check"]
-    rows = [("int8", how),
-            ("size vs fp32", f"{_human(size['int8_bytes'])} vs {_human(size['fp32_bytes'])} ({size['ratio']:.2f}x)"),
-            ("agreement with fp32", f"next token {check['next_token_agreement']:.2%}, greedy outputs "
-                                    f"{check['greedy_agreement']:.2%} ({check['texts']} {check['on']})")]
-    from t5compress.quantize.stage import applied
-
-    rows += applied(report)
-    ev = report.get("eval")
-    if ev:
-        checked_all = check["on"] == "eval texts" and check["texts"] == ev["examples"]  # said in the row above
-        if "greedy_agreement" in ev and not checked_all:  # older reports have only the metrics
-            rows.append(("greedy outputs = fp32", f"{ev['greedy_agreement']:.1%} of {ev['examples']} eval examples"))
-        for k in ("exact_match", "rougeL", "bleu"):
-            rows.append((f"{k} fp32 → int8", f"{ev['fp32'][k]} → {ev['int8'][k]} ({ev['examples']} examples)"))
-    return rows
+    spec = STAGES.get(report.get("stage") or "")
+    return spec.describe(report) if spec else []
 
 
 def _shown(path: str) -> str:
@@ -211,7 +140,7 @@ def render(data: dict[str, Any], console) -> None:
         t.add_row("made by", f"{lin['stage']}{what} at {lin['created']} from {parent}")
     else:
         t.add_row("made by", "not t5compress (no t5compress.json)")
-    for k, v in _metric_rows(data["report"]):
+    for k, v in _report_rows(data["report"]):
         t.add_row(k, v)
     console.print(t)
     graphs = (data["report"] or {}).get("graphs")  # quantize: a dict per graph; export: the graph names

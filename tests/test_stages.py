@@ -50,10 +50,22 @@ def test_an_unknown_stage_lists_the_known_ones():
 def test_the_recipe_runs_every_registered_stage_through_the_registry():
     from t5compress.recipe import stages as recipe_stages
 
-    registered = {n: k for n, k in recipe_stages.KINDS.items() if n in STAGES}
-    assert set(registered) >= {"create", "pretrain", "train", "qat", "prune", "export", "quantize", "triton", "bench"}
-    assert all(k.run is None for k in registered.values())  # no adapter: the registry's run, called the one way
+    assert set(recipe_stages.KINDS) == {n for n, s in STAGES.items() if s.chain} >= {
+        "data", "create", "load", "pretrain", "train", "qat", "prune", "export", "quantize", "triton", "bench"}
+    assert all(k.spec is STAGES[n] for n, k in recipe_stages.KINDS.items())  # no list of its own: the registry's
     assert not [n for n in dir(recipe_stages) if n.startswith("_run_")]
+
+
+def test_every_report_is_told_by_its_stage_and_the_chain_is_read_off_the_registry():
+    from t5compress import describe
+    from t5compress.recipe.plan import CHAIN
+
+    assert CHAIN == "data → create | load | pretrain → train | qat | prune → export → quantize → triton → bench"
+    assert all(callable(getattr(describe, s.describer)) for s in STAGES.values() if s.describer)
+    assert {n for n, s in STAGES.items() if not s.describer} == {"serve", "demo"}  # no report to tell
+    assert "block-wise" in STAGES["quantize"].help
+    assert STAGES["train"].describe({"eval": {"exact_match": 50.0, "step": 4}, "train": {"steps": 4, "seconds": 1}}) \
+        == [("eval", "exact_match 50.0 (step 4)"), ("trained", "4 steps in 1 s")]
 
 
 def test_kinds_tell_each_directory_apart(tiny_model_dir, tmp_path):

@@ -96,6 +96,17 @@ def _print_error(message: str) -> None:
     err_console.print(f"[red]error:[/red] {escape(line)}", highlight=False, soft_wrap=True)
 
 
+def show(name: str, report: dict, out: Any = None, done: str = "") -> None:
+    """Print what stage `name` measured (the rows its registry entry describes the report with), then, given `out`,
+    `done` and where the result is."""
+    from t5compress.stages import stage
+
+    for label, value in stage(name).describe(report):
+        console.print(f"{label}: {value}", highlight=False, markup=False, soft_wrap=True)
+    if out is not None:
+        console.print(f"{done} → [bold]{escape(str(out))}[/bold]".lstrip(), highlight=False, soft_wrap=True)
+
+
 def stdin_is_piped() -> bool:
     return not sys.stdin.isatty()
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import OutDir, command, console
+from t5compress.cli.common import OutDir, command, show
 from t5compress.cli.train import RUN_OPTIONS, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
@@ -61,20 +61,4 @@ def pretrain(
     train = dataclasses.replace(NANOT5, **{n: opts.pop(n) for n in _TRAIN_FIELDS})
     cfg = P(model=arch, overrides=parse_overrides(override or []), train=train, **opts)
     report = run(corpus, cfg, Path(out), force=force, resume=resume)
-    print_pretrain_summary(report, out)
-
-
-def print_pretrain_summary(report: dict, out: Path) -> None:
-    from rich.table import Table
-
-    t = Table(title="held-out span-corruption loss", title_justify="left")
-    for k in ("before", "after", "step", "examples"):
-        t.add_column(k, justify="right")
-    ev = report["eval"]
-    t.add_row(str(report["eval_before"]["loss"]), str(ev["loss"]), str(ev["step"]), str(ev["examples"]))
-    console.print(t)
-    tr, m = report["train"], report["model"]
-    console.print(f"{m['parameters'] / 1e6:.2f}M parameters, {tr['steps']} steps in {tr['seconds']} s "
-                  f"({tr['tokens_per_second']:,.0f} tokens/s) → [bold]{out}[/bold]")
-
-
+    show("pretrain", report, out, "pre-trained")

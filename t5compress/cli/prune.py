@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, console, field_options, with_options
+from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, field_options, show, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.prune import recover as rec
@@ -78,8 +78,7 @@ def prune(
 
     recover = _recover_cfg(recover_data, None, recover_steps, None, opts) if recover_data is not None else None
     cfg = config_from(P, opts, calib_data=calib_data, eval_data=eval_data, recover=recover)
-    report = run(model, cfg, Path(out), force=force, resume=resume)
-    print_prune_report(report, out)
+    show("prune", run(model, cfg, Path(out), force=force, resume=resume), out, "pruned")
 
 
 @command
@@ -100,58 +99,4 @@ def recover(
     run = stage("recover").runner()
 
     cfg = _recover_cfg(data, eval_data, steps, teacher, opts)
-    report = run(model, cfg, Path(out), force=force, resume=resume)
-    from rich.table import Table
-
-    t = Table(title="recovery", title_justify="left")
-    for k in ("", "loss", "exact_match", "rougeL", "bleu"):
-        t.add_column(k, justify="right")
-    for name in ("eval_before", "eval_after"):
-        t.add_row(name.removeprefix("eval_"), *(str(report[name].get(k, "-")) for k in ("loss", "exact_match",
-                                                                                          "rougeL", "bleu")))
-    console.print(t)
-    console.print(f"{report['train']['steps']} steps in {report['train']['seconds']} s → [bold]{out}[/bold]")
-
-
-def print_prune_report(report: dict, out: Path | str) -> None:
-    """Rows: what was measured; columns: before pruning, right after it, after recovery."""
-    from rich.table import Table
-
-    cols = [("before", report["before"]), ("pruned", report["after_pruning"])]
-    if report.get("after_recovery"):
-        cols.append(("recovered", report["after_recovery"]))
-    how = [report["schedule"], report["criterion"]] if report.get("kept") else []
-    how += ["vocabulary"] if report.get("vocab") else []
-    t = Table(title=f"prune ({', '.join(how)})", title_justify="left")
-    t.add_column("")
-    for name, _ in cols:
-        t.add_column(name, justify="right")
-
-    def cell(r: dict, key: str) -> str:
-        ev = r.get("eval") or {}
-        value = r.get(key, ev.get(key))
-        if value is None:
-            return "-"
-        if key == "bytes":
-            return f"{value / 2**20:.2f}"
-        return f"{value:,}" if isinstance(value, int) else str(value)
-
-    labels = {"parameters": "parameters", "block_parameters": "block parameters", "bytes": "MB (fp32)",
-              "latency_ms": "generate ms (b1)", "loss": "eval loss", "exact_match": "exact match", "rougeL": "rougeL",
-              "bleu": "bleu"}
-    for key, label in labels.items():
-        t.add_row(label, *(cell(r, key) for _, r in cols))
-    console.print(t)
-    if report.get("vocab"):
-        console.print(vocab_line(report["vocab"]))
-    kind = "plain Hugging Face dir" if report["plain"] else "per-layer sizes in config.json (load with t5compress)"
-    console.print(f"{kind} → [bold]{out}[/bold]")
-
-
-def vocab_line(v: dict) -> str:
-    """One line on the vocabulary trim: pieces, parameters and MB around it, and how much segmentation changed."""
-    b, a, seg = v["before"], v["after"], v["segmentation_changed"]
-    return (f"vocabulary: {b['pieces']:,} → {a['pieces']:,} pieces ({v['kept']['used_by_data']:,} used by the data); "
-            f"parameters {b['parameters']:,} → {a['parameters']:,}, MB {b['bytes'] / 2**20:.2f} → "
-            f"{a['bytes'] / 2**20:.2f}; data tokens segmented differently: {seg['changed']:,} of {seg['tokens']:,} "
-            f"({100 * seg['share']:.2f}%)")
+    show("recover", run(model, cfg, Path(out), force=force, resume=resume), out, "recovered")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import ModelDir, OutDir, command, console
+from t5compress.cli.common import ModelDir, OutDir, command, console, show
 from t5compress.cli.train import DATA_OPTIONS, RUN_OPTIONS, TRAIN_OPTIONS, TrainData, finetune_config, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
@@ -44,26 +44,5 @@ def qat(
     cfg = qat.QatConfig(finetune=finetune_config(data, opts), quant=quant)
     report = run(model, cfg, Path(out), force=force, resume=resume)
     if report.get("metrics") is not None:  # absent on the non-main processes of a multi-GPU run
-        print_qat_summary(report, out)
-
-
-def print_qat_summary(report: dict, out: Path) -> None:
-    from rich.table import Table
-
-    t = Table(title="int8 quantization-aware training", title_justify="left")
-    cols = ("loss", "exact_match", "rougeL", "bleu")
-    t.add_column("model")
-    for k in cols:
-        t.add_column(k, justify="right")
-    labels = {"fp32_start": "fp32 (start)", "int8_calibrated": "int8 fake-quant, calibrated",
-              "int8_qat": "int8 fake-quant, after QAT", "fp32_after_qat": "fp32 weights after QAT"}
-    for key, label in labels.items():
-        row = report["metrics"].get(key) or {}
-        t.add_row(label, *(str(row.get(k, "-")) for k in cols))
-    console.print(t)
-    s, sc, tr = report["sizes"], report["scales"], report["train"]
-    kept = ", ".join(sc["kept_fp32"]) or "none"
-    console.print(f"weights {s['fp32_weight_bytes'] / 1e6:.2f} MB fp32 -> {s['int8_weight_bytes'] / 1e6:.2f} MB int8 "
-                  f"({s['ratio']:.2f}x); {sc['quantized_linear']} Linear layers int8, kept fp32: {kept}")
-    console.print(f"{tr['steps']} steps in {tr['seconds']} s → [bold]{out}[/bold] "
-                  f"(export int8 ONNX: t5compress export {out} OUT --onnx)")
+        show("qat", report, out, "int8 quantization-aware training")
+        console.print(f"export int8 ONNX: t5compress export {out} OUT --onnx", highlight=False, markup=False)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, console, field_options, with_options
+from t5compress.cli.common import Force, ModelDir, OutDir, command, config_from, field_options, show, with_options
 from t5compress.config import default_of as _d
 from t5compress.config import help_of as _h
 from t5compress.data import DataConfig as D
@@ -40,10 +40,7 @@ def create(
 
     cfg = config_from(CreateConfig, opts, arch=arch, overrides=parse_overrides(override or []),
                       data=D(source_field=source_field, target_field=target_field))
-    report = stage("create").runner()(arch, cfg, out, force=force)
-    m = report["model"]
-    console.print(f"created {arch}: {m['parameters']:,} parameters ({m['parameters'] / 1e6:.2f}M), "
-                  f"vocabulary {m['vocab_size']} → [bold]{out}[/bold]")
+    show("create", stage("create").runner()(arch, cfg, out, force=force), out, f"created {arch}")
 
 
 # The data and training options of `train`, declared once; `qat` (and later recovery training) take the same.
@@ -84,18 +81,4 @@ def train(model: ModelDir, data: TrainData, out: OutDir, **opts) -> None:
     cfg = finetune_config(data, opts)
     report = stage("train").runner()(model, cfg, Path(out), force=force, resume=resume)
     if report["eval"] is not None:  # None on the non-main processes of a multi-GPU run
-        print_train_summary(report, out)
-
-
-def print_train_summary(report: dict, out: Path) -> None:
-    from rich.table import Table
-
-    t = Table(title="evaluation of the kept checkpoint", title_justify="left")
-    ev = report.get("eval") or {}
-    for k in ("step", "loss", "exact_match", "rougeL", "bleu", "examples"):
-        t.add_column(k, justify="right")
-    t.add_row(*(str(ev.get(k, "-")) for k in ("step", "loss", "exact_match", "rougeL", "bleu", "examples")))
-    console.print(t)
-    tr = report["train"]
-    rate = tr["examples_per_second"]
-    console.print(f"{tr['steps']} steps in {tr['seconds']} s ({rate} examples/s) → [bold]{out}[/bold]")
+        show("train", report, out, "fine-tuned")

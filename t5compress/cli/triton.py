@@ -18,6 +18,7 @@ from t5compress.cli.common import (
     err_console,
     fail,
     field_options,
+    show,
     with_options,
 )
 from t5compress.stages import stage
@@ -37,20 +38,10 @@ def triton(
     **opts,
 ) -> None:
     """Write a Triton model repository: a text-in/text-out BLS model and its encoder/decoder leaf models."""
-    from rich.table import Table
-
     run = stage("triton").runner()
 
-    cfg = config_from(C, opts)
-    report = run(export_dir, cfg, out, force=force)
-    t = Table(title=f"Triton model repository ({report['flavour']}, {report['kind']})", title_justify="left")
-    for col in ("model", "backend", "max batch", "instances", "inputs", "outputs"):
-        t.add_column(col)
-    for model, m in report["models"].items():
-        t.add_row(model, m["backend"], str(m["max_batch_size"]), ", ".join(m["instances"]), str(len(m["inputs"])),
-                  str(m["outputs"]))
-    console.print(t)
-    console.print(f"configs checked against Triton's schema; {report['bytes'] / 1e6:.1f} MB → [bold]{out}[/bold]")
+    report = run(export_dir, config_from(C, opts), out, force=force)
+    show("triton", report, out, "Triton model repository")
     console.print(f"serve it: t5compress serve {out}", highlight=False)
     if report["flavour"] == "onnxruntime":
         console.print("(the leaf models need Triton's ONNX Runtime backend, as in NVIDIA's container; "

@@ -5,9 +5,10 @@ skipped on rerun.
     from t5compress import recipe
     result = recipe.run(recipe.load("recipes/quickstart.yaml"))
 
-`schema` reads the YAML and turns a stage's settings into that stage's own config (the CLI's field names and checks);
-`stages` is the registry of stage kinds (and of the planned ones not landed yet); `plan` validates the chain and
-decides, from fingerprints, what runs and what is skipped; `runner` runs it.
+The chain itself (which stages, in which order, what each takes and makes) is the stage registry's,
+`t5compress.stages`. `schema` reads the YAML and turns a stage's settings into that stage's own config (the CLI's
+field names and checks); `stages` says how, per stage, and holds the recipe's own `data` and `load` stages; `plan`
+validates the chain and decides, from fingerprints, what runs and what is skipped; `runner` runs it.
 """
 
 from pathlib import Path

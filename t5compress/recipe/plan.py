@@ -15,11 +15,12 @@ from typing import Any
 from t5compress import __version__, artifacts
 from t5compress.recipe import schema
 from t5compress.recipe.schema import RecipeError
-from t5compress.recipe.stages import DATA, DATA_SUFFIXES, KINDS, PLANNED, Inputs, Kind, data_files
+from t5compress.recipe.stages import DATA_SUFFIXES, KINDS, PLANNED, Inputs, Kind, data_files
+from t5compress.stages import DATA, chain_text
 
 TOP_KEYS = ("name", "description", "out", "stages")
 STAGE_KEYS = ("stage", "input")
-CHAIN = "data → create | load | pretrain → train | qat | prune → export → quantize → triton → bench"
+CHAIN = chain_text()
 STATE_FILE = "recipe.json"
 RESERVED_IDS = (STATE_FILE,)  # names the runner itself writes in OUT: a stage dir of that name would collide
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

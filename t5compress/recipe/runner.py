@@ -68,8 +68,10 @@ def _run_stage(recipe: Recipe, state: dict, stage: Stage, row: dict, progress: b
 
 
 def _summary(stage: Stage, report: dict) -> str:
+    """The key numbers of the stage's report: the first row the stage describes it with."""
     try:
-        return stage.kind.summary(report or {})
+        rows = stage.kind.spec.describe(report or {})
+        return rows[0][1] if rows else ""
     except (KeyError, TypeError, ValueError) as e:  # a report of another shape must not fail a finished stage
         log.warning("no summary for stage %s: %s", stage.id, e)
         return ""

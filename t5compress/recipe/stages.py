@@ -1,7 +1,8 @@
-"""The stages a recipe can chain, in a registry: what each consumes and produces, how its settings become the
-stage's own config (the CLI's), how it runs, and the key numbers its report gives.
+"""The stages as a recipe runs them: the chain is the stage registry's (`t5compress.stages`: order, what each stage
+takes and makes, its run and config); here is only how a recipe's flat settings become a stage's own config (the
+CLI's), and the recipe's own `data` and `load` stages.
 
-    data → create | load | pretrain → train | qat → prune → export → quantize → triton → bench
+    data → create | load | pretrain → train | qat | prune → export → quantize → triton → bench
 """
 
 from __future__ import annotations
@@ -9,23 +10,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from t5compress import artifacts
 from t5compress.config import option, require
-from t5compress.recipe import schema, summary
+from t5compress.recipe import schema
+from t5compress.stages import STAGES, StageSpec
 
 log = logging.getLogger(__name__)
 
-# Artifacts passed between stages.
-DATA, MODEL, QAT_MODEL, EXPORT, INT8, REPOSITORY, BENCH = (
-    "data", "model", "qat-model", "export", "int8 export", "model repository", "bench report")
-# A stage named here is planned but has not landed in this version: a recipe using it is rejected, not skipped.
-PLANNED = {
-    "serve": "a recipe cannot start a Triton server yet; run `t5compress serve OUT/<triton stage id>` after it",
-}
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet")
 
 
@@ -39,31 +34,6 @@ class Inputs:
     src_artifact: str | None = None
     variants: tuple[Path, ...] = ()  # bench only: the variants' directories
     names: tuple[str, ...] = ()  # and their stage ids, the names they get in the report
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One kind of stage: how a recipe's settings become its config, and what it reads; it runs through the
-    stage protocol (`run(src, cfg, out, *, force, progress)`), the registered stage's or the recipe's own."""
-
-    name: str
-    rank: int  # position in the chain: a stage comes after the stages of lower rank it reads
-    consumes: tuple[str, ...]  # artifacts accepted as input; () for a source stage
-    keys: frozenset[str]  # setting keys (besides stage, input, variants)
-    build: Callable[[str, dict, Inputs], Any]  # (where, settings, inputs) -> the stage's config
-    produces: Callable[[str | None], str]  # input artifact -> output artifact
-    summary: Callable[[dict], str]
-    help: str
-    run: Callable[..., dict] | None = None  # a recipe-only stage's run; None: the registered stage of this name
-    # (built config, inputs) -> (src, cfg) of the stage's run: by default the input stage's dir and the config
-    split: Callable[[Any, Inputs], tuple[Any, Any]] = lambda built, i: (i.src, built)  # noqa: E731
-
-    def execute(self, built: Any, inputs: Inputs, out: Path, progress: bool) -> dict:
-        from t5compress.stages import stage
-
-        run = self.run or stage(self.name).runner()
-        src, cfg = self.split(built, inputs)
-        return run(src, cfg, out, force=True, progress=progress)
 
 
 # --- data ------------------------------------------------------------------------------------------------------
@@ -100,8 +70,9 @@ def data_files(spec: DataSpec, out: Path) -> tuple[str, str | None]:
     return spec.train, spec.eval
 
 
-def run_data(src: None, spec: DataSpec, out: Path, *, force: bool = True, progress: bool = True) -> dict:
+def run_data(src: None, cfg: DataSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict:
     """The recipe's `data` stage: generated examples, or the user's files named."""
+    spec = cfg  # the stage protocol's name for it
     from t5compress.tasks import make_examples, write_jsonl
 
     with artifacts.envelope("data", None, spec, out, force=force, inputs=()) as env, env.staging() as tmp:
@@ -129,8 +100,9 @@ class LoadSpec:
         require(not is_local(self.model) or Path(self.model).is_dir(), "model", f"'{self.model}' is not a directory")
 
 
-def run_load(src: str, spec: LoadSpec, out: Path, *, force: bool = True, progress: bool = True) -> dict:
+def run_load(src: str, cfg: LoadSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict:
     """The recipe's `load` stage: a checkpoint from the Hub or a local directory, saved as a model dir."""
+    spec = cfg  # the stage protocol's name for it
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
 
     with artifacts.envelope("load", src, spec, out, force=force, inputs=[src]) as env:
@@ -139,43 +111,18 @@ def run_load(src: str, spec: LoadSpec, out: Path, *, force: bool = True, progres
         return env.write(report, lambda tmp: save_model_dir(model, tokenizer, tmp))
 
 
-# --- the stages that already exist as CLI commands ----------------------------------------------------------------
-
-
 def _defaults(settings: dict, **values: Any) -> dict:
     """`settings` with the data the stages before give, where the recipe does not say otherwise."""
     return {**{k: v for k, v in values.items() if v is not None}, **settings}
 
 
-def _build_create(where: str, s: dict, i: Inputs):
-    from t5compress.data import DataConfig
-    from t5compress.model.create import CreateConfig
-
+def _build_create(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
     text = i.train if s.get("tokenizer", "unigram") == "unigram" else None
-    return schema.build(where, CreateConfig, _defaults(s, text=text), {"data": DataConfig})
+    return schema.build(where, cls, _defaults(s, text=text), flatten)
 
 
 def _finetune(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
     return schema.build(where, cls, _defaults(s, train_data=i.train, eval_data=i.eval), flatten)
-
-
-def _build_train(where: str, s: dict, i: Inputs):
-    from t5compress.data import DataConfig
-    from t5compress.train.loop import TrainConfig
-    from t5compress.train.stage import FinetuneConfig
-
-    return _finetune(where, s, i, FinetuneConfig, {"data": DataConfig, "train": TrainConfig})
-
-
-def _build_qat(where: str, s: dict, i: Inputs):
-    from t5compress.data import DataConfig
-    from t5compress.qat.scheme import FakeQuantConfig
-    from t5compress.qat.stage import QatConfig
-    from t5compress.train.loop import TrainConfig
-    from t5compress.train.stage import FinetuneConfig
-
-    flatten = {"finetune": (FinetuneConfig, {"data": DataConfig, "train": TrainConfig}), "quant": FakeQuantConfig}
-    return _finetune(where, s, i, QatConfig, flatten)
 
 
 def _recover_flatten() -> dict:
@@ -186,10 +133,9 @@ def _recover_flatten() -> dict:
     return {"kd": DistillConfig, "data_cfg": DataConfig, "train": TrainConfig}
 
 
-def _build_prune(where: str, s: dict, i: Inputs):
+def _build_prune(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
     from t5compress.data import DataConfig
     from t5compress.prune.recover import RecoverConfig
-    from t5compress.prune.stage import PruneConfig
 
     rec = s.get("recover")
     recover = None
@@ -200,40 +146,24 @@ def _build_prune(where: str, s: dict, i: Inputs):
             raise schema.RecipeError(f"{where}.recover: expected a mapping of recovery settings or true, got {rec!r}")
         if "lr" in rec:  # a rate the recipe gives is taken as given, as the CLI's --lr
             rec = {"lr_per_width": False, **rec}
-        flatten = _recover_flatten()
-        schema.check_keys(f"{where}.recover", rec, schema.flat_keys(RecoverConfig, flatten))
+        rec_flatten = _recover_flatten()
+        schema.check_keys(f"{where}.recover", rec, schema.flat_keys(RecoverConfig, rec_flatten))
         read = {k: v for k, v in s.items() if k in schema.flat_keys(DataConfig, {})}  # read the data as prune does
         recover = schema.build(f"{where}.recover", RecoverConfig,
-                               _defaults({**read, **rec}, data=i.train, eval_data=i.eval), flatten)
+                               _defaults({**read, **rec}, data=i.train, eval_data=i.eval), rec_flatten)
     settings = {k: v for k, v in s.items() if k != "recover"}
-    return schema.build(where, PruneConfig, _defaults(settings, calib_data=i.train, eval_data=i.eval),
-                        {"data": DataConfig}, fixed={"recover": recover})
+    return schema.build(where, cls, _defaults(settings, calib_data=i.train, eval_data=i.eval), flatten,
+                        fixed={"recover": recover})
 
 
-def _build_export(where: str, s: dict, i: Inputs):
-    from t5compress.export.stage import ExportConfig
-
-    return schema.build(where, ExportConfig, s)
-
-
-def _build_quantize(where: str, s: dict, i: Inputs):
-    from t5compress.quantize import QuantizeConfig
-
+def _build_quantize(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
     calib = i.train if s.get("mode", "static") == "static" else None
     # the check reads the held-out eval texts, not the training ones the model has learnt (see quantize.stage)
-    return schema.build(where, QuantizeConfig, _defaults(s, calib_data=calib, eval_data=i.eval))
+    return schema.build(where, cls, _defaults(s, calib_data=calib, eval_data=i.eval), flatten)
 
 
-def _build_triton(where: str, s: dict, i: Inputs):
-    from t5compress.triton.stage import TritonConfig
-
-    return schema.build(where, TritonConfig, s)
-
-
-def _build_bench(where: str, s: dict, i: Inputs):
-    from t5compress.bench import BenchConfig
-
-    return schema.build(where, BenchConfig, _defaults(s, data=i.eval))
+def _build_bench(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
+    return schema.build(where, cls, _defaults(s, data=i.eval), flatten)
 
 
 @dataclass(frozen=True)
@@ -244,77 +174,113 @@ class PretrainSpec:
     config: Any
 
 
-def _build_pretrain(where: str, s: dict, i: Inputs) -> PretrainSpec:
-    from t5compress.pretrain.stage import PretrainConfig
-    from t5compress.train.loop import TrainConfig
-
+def _build_pretrain(where: str, s: dict, i: Inputs, cls: type, flatten: dict) -> PretrainSpec:
     corpus = s.get("corpus")
     if not isinstance(corpus, str) or not corpus:
         raise schema.RecipeError(f"{where}.corpus: required: the text (a file, folder or dataset) to pre-train on")
-    return PretrainSpec(corpus, schema.build(where, PretrainConfig, s, {"train": TrainConfig}))
+    return PretrainSpec(corpus, schema.build(where, cls, s, flatten))
 
 
-def _same(artifact: str | None) -> str:
-    return MODEL
+def _plain(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
+    return schema.build(where, cls, s, flatten)
 
 
-KINDS: dict[str, Kind] = {}
+def _given_src(built: Any, i: Inputs) -> tuple[Any, Any]:
+    return i.src, built
 
 
-def _register(kind: Kind, cls: type | None = None, flatten: dict | None = None, extra: tuple[str, ...] = ()) -> None:
-    keys = set(extra)
-    if cls is not None:
-        keys |= schema.flat_keys(cls, flatten or {})
-    KINDS[kind.name] = dataclasses.replace(kind, keys=frozenset(keys))
+@dataclass(frozen=True)
+class Adapter:
+    """How a recipe's settings become a stage's config: `build(where, settings, inputs, cls, flatten)`, the nested
+    configs whose fields a recipe gives at the stage's own level, the recipe's own extra keys, and `split`: (built
+    config, inputs) -> (src, cfg) of the stage's run (by default the input stage's dir and the config)."""
+
+    build: Callable[..., Any] = _plain
+    flatten: Callable[[], dict] = dict
+    extra: tuple[str, ...] = ()
+    split: Callable[[Any, Inputs], tuple[Any, Any]] = _given_src
 
 
-def _setup() -> None:
+def _finetune_flatten() -> dict:
     from t5compress.data import DataConfig
-    from t5compress.qat.scheme import FakeQuantConfig
-    from t5compress.stages import stage
     from t5compress.train.loop import TrainConfig
 
-    CreateConfig, PretrainConfig, FinetuneConfig, QatConfig, PruneConfig, ExportConfig, QuantizeConfig, \
-        TritonConfig, BenchConfig = (stage(n).config_class() for n in (  # noqa: N806 -- classes
-            "create", "pretrain", "train", "qat", "prune", "export", "quantize", "triton", "bench"))
-
-    ft = {"data": DataConfig, "train": TrainConfig}
-    none = frozenset()
-    _register(Kind("data", 0, (), none, lambda w, s, i: schema.build(w, DataSpec, s), lambda a: DATA,
-                   summary.data_summary, "generated demo data or your data files", run=run_data,
-                   split=lambda spec, i: (None, spec)), DataSpec)
-    _register(Kind("create", 1, (), none, _build_create, _same, summary.params,
-                   "a new randomly initialised T5 of a named architecture", split=lambda cfg, i: (cfg.arch, cfg)),
-              CreateConfig, {"data": DataConfig})
-    _register(Kind("load", 1, (), none, lambda w, s, i: schema.build(w, LoadSpec, s), _same, summary.params,
-                   "a checkpoint from the Hub or a local directory", run=run_load,
-                   split=lambda spec, i: (spec.model, spec)),
-              LoadSpec)
-    _register(Kind("train", 2, (MODEL,), none, _build_train, _same, summary.train_summary,
-                   "fine-tune"), FinetuneConfig, ft)
-    _register(Kind("qat", 2, (MODEL,), none, _build_qat, lambda a: QAT_MODEL, summary.train_summary,
-                   "quantization-aware fine-tuning"), QatConfig, {"finetune": (FinetuneConfig, ft),
-                                                                 "quant": FakeQuantConfig})
-    _register(Kind("prune", 2, (MODEL,), none, _build_prune, _same, summary.prune_summary,
-                   "remove heads / FFN channels / layers, then recover"), PruneConfig, {"data": DataConfig})
-    _register(Kind("export", 4, (MODEL, QAT_MODEL), none, _build_export,
-                   lambda a: INT8 if a == QAT_MODEL else EXPORT, summary.export_summary,
-                   "ONNX or TorchScript graphs"),
-              ExportConfig)
-    _register(Kind("quantize", 5, (EXPORT,), none, _build_quantize, lambda a: INT8,
-                   summary.quantize_summary, "int8 (static or dynamic)"), QuantizeConfig)
-    _register(Kind("triton", 6, (EXPORT, INT8), none, _build_triton, lambda a: REPOSITORY,
-                   lambda r: f"{len(r.get('models') or {})} models, {summary.mb(r.get('bytes'))}",
-                   "a Triton model repository"), TritonConfig)
-    _register(Kind("bench", 7, (MODEL, QAT_MODEL, EXPORT, INT8), none, _build_bench, lambda a: BENCH,
-                   summary.bench_summary, "latency and accuracy of the variants",
-                   split=lambda cfg, i: ([f"{n}={p}" for n, p in zip(i.names, i.variants, strict=True)], cfg)),
-              BenchConfig,
-              extra=("variants",))
-    _register(Kind("pretrain", 1, (), frozenset(), _build_pretrain, _same, summary.train_summary,
-                   "span-corruption pre-training of a new model", split=lambda spec, i: (spec.corpus, spec.config)),
-              PretrainConfig, {"train": TrainConfig},
-              extra=("corpus",))
+    return {"data": DataConfig, "train": TrainConfig}
 
 
-_setup()
+def _data_flatten() -> dict:
+    from t5compress.data import DataConfig
+
+    return {"data": DataConfig}
+
+
+def _qat_flatten() -> dict:
+    from t5compress.qat.scheme import FakeQuantConfig
+    from t5compress.train.stage import FinetuneConfig
+
+    return {"finetune": (FinetuneConfig, _finetune_flatten()), "quant": FakeQuantConfig}
+
+
+def _pretrain_flatten() -> dict:
+    from t5compress.train.loop import TrainConfig
+
+    return {"train": TrainConfig}
+
+
+# The stages whose settings need more than the plain build of their config (the others: export, triton).
+ADAPTERS: dict[str, Adapter] = {
+    "data": Adapter(split=lambda spec, i: (None, spec)),
+    "create": Adapter(_build_create, _data_flatten, split=lambda cfg, i: (cfg.arch, cfg)),
+    "load": Adapter(split=lambda spec, i: (spec.model, spec)),
+    "pretrain": Adapter(_build_pretrain, _pretrain_flatten, ("corpus",), lambda spec, i: (spec.corpus, spec.config)),
+    "train": Adapter(_finetune, _finetune_flatten),
+    "qat": Adapter(_finetune, _qat_flatten),
+    "prune": Adapter(_build_prune, _data_flatten),
+    "quantize": Adapter(_build_quantize),
+    "bench": Adapter(_build_bench, extra=("variants",),
+                     split=lambda cfg, i: ([f"{n}={p}" for n, p in zip(i.names, i.variants, strict=True)], cfg)),
+}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A registered stage as a recipe chains it: its registry entry, the setting keys it takes, how they become
+    its config; it runs through the stage protocol (`run(src, cfg, out, *, force, progress)`)."""
+
+    spec: StageSpec
+    adapter: Adapter
+    keys: frozenset[str] = field(default_factory=frozenset)  # setting keys (besides stage, input, variants)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def rank(self) -> int:
+        return self.spec.chain.rank
+
+    @property
+    def consumes(self) -> tuple[str, ...]:
+        return self.spec.chain.consumes
+
+    def produces(self, artifact: str | None) -> str:
+        return self.spec.chain.product(artifact)
+
+    def build(self, where: str, settings: dict, inputs: Inputs) -> Any:
+        """The stage's own config from a recipe's settings (`where` names the stage in errors)."""
+        return self.adapter.build(where, settings, inputs, self.spec.config_class(), self.adapter.flatten())
+
+    def execute(self, built: Any, inputs: Inputs, out: Path, progress: bool) -> dict:
+        src, cfg = self.adapter.split(built, inputs)
+        return self.spec.runner()(src, cfg, out, force=True, progress=progress)
+
+
+def _kind(spec: StageSpec) -> Kind:
+    adapter = ADAPTERS.get(spec.name, Adapter())
+    keys = schema.flat_keys(spec.config_class(), adapter.flatten()) | set(adapter.extra)
+    return Kind(spec, adapter, frozenset(keys))
+
+
+KINDS: dict[str, Kind] = {s.name: _kind(s) for s in STAGES.values() if s.chain is not None}
+# A stage named here is planned but cannot run in a recipe: a recipe using it is rejected, not skipped.
+PLANNED = {s.name: s.recipe for s in STAGES.values() if s.recipe}
