@@ -7,7 +7,6 @@ CLI's), and the recipe's own `data` and `load` stages.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,17 +71,16 @@ def data_files(spec: DataSpec, out: Path) -> tuple[str, str | None]:
 
 def run_data(src: None, cfg: DataSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict:
     """The recipe's `data` stage: generated examples, or the user's files named."""
-    spec = cfg  # the stage protocol's name for it
     from t5compress.tasks import make_examples, write_jsonl
 
-    with artifacts.envelope("data", None, spec, out, force=force, inputs=()) as env, env.staging() as tmp:
-        if spec.generate:
-            write_jsonl(tmp / "train.jsonl", make_examples(spec.train_examples, spec.seed))
-            write_jsonl(tmp / "eval.jsonl", make_examples(spec.eval_examples, spec.seed + 1))
-            counts = {"train": spec.train_examples, "eval": spec.eval_examples}
+    with artifacts.envelope("data", None, cfg, out, force=force, inputs=()) as env, env.staging() as tmp:
+        if cfg.generate:
+            write_jsonl(tmp / "train.jsonl", make_examples(cfg.train_examples, cfg.seed))
+            write_jsonl(tmp / "eval.jsonl", make_examples(cfg.eval_examples, cfg.seed + 1))
+            counts = {"train": cfg.train_examples, "eval": cfg.eval_examples}
         else:
-            counts = {"train": spec.train, "eval": spec.eval}
-        env.report = {"stage": "data", "generated": spec.generate, "examples": counts}
+            counts = {"train": cfg.train, "eval": cfg.eval}
+        env.report = {"stage": "data", "generated": cfg.generate, "examples": counts}
     return env.report
 
 
@@ -102,10 +100,9 @@ class LoadSpec:
 
 def run_load(src: str, cfg: LoadSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict:
     """The recipe's `load` stage: a checkpoint from the Hub or a local directory, saved as a model dir."""
-    spec = cfg  # the stage protocol's name for it
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
 
-    with artifacts.envelope("load", src, spec, out, force=force, inputs=[src]) as env:
+    with artifacts.envelope("load", src, cfg, out, force=force, inputs=[src]) as env:
         model, tokenizer = load_model(src), load_tokenizer(src)
         report = {"stage": "load", "source": src, "model": describe(model)}
         return env.write(report, lambda tmp: save_model_dir(model, tokenizer, tmp))
