@@ -28,8 +28,7 @@ class Gram:
     `calibrate.TapGraph`, like `smooth.ChannelMax`): one (in, in) float64 matrix per input, whatever the runs."""
 
     def __init__(self, model, names: list[str]):
-        if isinstance(model, (str, Path)):  # a graph's file, else its structure (`sources.Graph.model`)
-            model = load_onnx(str(model), load_external_data=False)
+        """`model`: the graph's structure (`sources.Graph.model`; its weights are not read)."""
         self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names) and n.op_type == "MatMul"}
         self.tensors = list(dict.fromkeys(self.inputs.values()))
         self.gram: dict[str, np.ndarray] = {}
