@@ -267,7 +267,7 @@ def main() -> None:
 
 
 def markdown(r: dict) -> str:
-    from t5compress.quantize.sensitivity import ranked, summary
+    from t5compress.quantize.describe import ranked, summary
 
     cpu = r["cpu"]
     flags = ", ".join(k for k in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx") if cpu.get(k))

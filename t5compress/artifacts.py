@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import hashlib
 import json
 import logging
@@ -49,7 +48,7 @@ def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[Any] = ()
 
     `inputs` are everything the stage reads (model dirs, data and calibration files, configs: any string in them that
     names an existing path counts). The claim is a lock on `out` held until `staged_output` ends, the stage returns or
-    raises (`claims_output`), or the process exits, so two runs writing one `out` cannot both succeed.
+    raises (`envelope`), or the process exits, so two runs writing one `out` cannot both succeed.
     """
     out = Path(out)
     refuse_overlap(out, inputs)
@@ -219,17 +218,6 @@ def _claims_end_here() -> Iterator[None]:
     finally:
         for path in set(_held) - before:
             _release(path)
-
-
-def claims_output(run: Callable[..., T]) -> Callable[..., T]:
-    """Decorate a stage's `run`: the claims it takes on outputs end when it returns or raises, not at process exit."""
-
-    @functools.wraps(run)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        with _claims_end_here():
-            return run(*args, **kwargs)
-
-    return wrapper
 
 
 @atexit.register

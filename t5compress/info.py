@@ -153,7 +153,7 @@ def _sensitivity_table(report: dict):
     """What `quantize` measured per layer group with only that group int8, most sensitive first."""
     from rich.table import Table
 
-    from t5compress.quantize.sensitivity import ranked, summary
+    from t5compress.quantize.describe import ranked, summary
 
     t = Table(title="int8 sensitivity: only this group int8, the rest fp32 (" + summary(report) + ")",
               title_justify="left")

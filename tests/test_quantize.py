@@ -193,7 +193,7 @@ def test_gated_model_gets_every_linear_layer_smoothed_and_per_token_or_wo_fp32(t
     assert default["graphs"]["smooth_quant"]["encoder_model"] | {"max_scale_ratio": 0} == {
         "alpha": 0.5, "groups": 6, "layers": 12, "max_scale_ratio": 0}
     # what the CLI and `info` print of it, and of a report from before groups were recorded
-    from t5compress.quantize.stage import applied
+    from t5compress.quantize.modes import applied
 
     shown = dict(applied(default))
     every = {n for g in default["graphs"].values() if isinstance(g, dict) for n in g.get("per_token") or []}
@@ -259,6 +259,34 @@ def test_smoothing_every_group_is_exact_in_fp32(tiny_gated_dir, tmp_path, graph)
     b = ort.InferenceSession(str(tmp_path / "s.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
     for x, y in zip(a, b, strict=True):
         assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max() + 1e-6
+
+
+def test_auto_choices_resolve_once_into_a_plan(static_dir):
+    """Each method resolves the `auto` options from the model once; the report records the plan and says it."""
+    from t5compress.quantize.modes import METHODS, applied, method_for
+    from t5compress.quantize.plan import QuantPlan
+
+    def plan(gated: bool, tied: bool = True, held: bool = False, **kw) -> QuantPlan:
+        cfg = QuantizeConfig(**{"calib_data": "x.txt", **kw})
+        return method_for(cfg.mode).resolve(cfg, gated, tied, held)
+
+    assert list(METHODS) == ["static", "dynamic", "blockwise"]
+    relu, gated = plan(False), plan(True, tied=False)
+    assert (relu.smooth_alpha, relu.per_token, relu.keep_fp32, relu.row_lookups) == (0.0, "none", "none", False)
+    assert (gated.smooth_alpha, gated.per_token, gated.keep_fp32, gated.sensitivity) == (0.5, "auto", "none", "off")
+    assert gated.row_lookups and gated.rounding == "gptq"
+    assert plan(True, held=True).keep_fp32 == "measured" and plan(True, held=True).sensitivity == "if needed"
+    assert plan(False, keep_fp32="sensitive").sensitivity == "every group"
+    assert plan(True, per_token="none").keep_fp32 == "wo"  # outliers nothing else takes
+    assert plan(True, mode="dynamic", calib_data=None).keep_fp32 == "wo"
+    assert plan(True, mode="dynamic", calib_data=None).per_token == "none"
+    block = plan(True, mode="blockwise")
+    assert (block.keep_fp32, block.smooth_alpha, block.block_size, block.rounding) == ("none", 0.5, 128, "gptq")
+    assert plan(True, mode="blockwise", calib_data=None).block_size == 32
+    tuned = plan(True, eval_data="e.jsonl", tolerance=0.01)
+    assert tuned.tune and tuned.keep_fp32 == "wo" and not tuned.share_table and tuned.sensitivity == "off"
+    report = _report(static_dir)
+    assert QuantPlan(**report["plan"]).mode == "static" and dict(applied(report))["plan"].startswith("static")
 
 
 def test_bad_inputs_are_one_line_and_write_nothing(skilled, static_dir, tmp_path):
@@ -428,8 +456,9 @@ def test_calibration_memory_does_not_grow_with_the_texts(method, gated_export, t
     from t5compress.quantize.gptq import Gram
     from t5compress.quantize.graphs import linear_nodes
     from t5compress.quantize.methods import StaticGraph
+    from t5compress.quantize.modes import method_for
     from t5compress.quantize.smooth import ChannelMax, smooth_groups
-    from t5compress.quantize.sources import plan_for
+    from t5compress.quantize.sources import Graph, plan_for
     from t5compress.runtime.text import input_limit
 
     limit = input_limit(gated_export)
@@ -441,10 +470,12 @@ def test_calibration_memory_does_not_grow_with_the_texts(method, gated_export, t
 
     def calibrate(n: int) -> tuple[int, int]:
         stats = {}
+        cfg = QuantizeConfig(calib_data="x", method=method)
+        plan = method_for(cfg.mode).resolve(cfg, gated=True, tied=False, held=False)
         for g, path in graphs.items():
-            model = onnx.load(str(path))
-            stats[g] = [StaticGraph(path, plan_for(path, QuantizeConfig(calib_data="x", method=method), True), method,
-                                    tmp_path), Gram(path, linear_nodes(model)), ChannelMax(smooth_groups(model)),
+            graph = Graph(g, path)
+            stats[g] = [StaticGraph(graph, plan_for(graph.model, cfg, plan), method, tmp_path),
+                        Gram(graph.model, linear_nodes(graph.model)), ChannelMax(smooth_groups(graph.model)),
                         Recorder(limit=8, budget=1 << 20)]
         tracemalloc.start()
         with caplog.at_level(logging.WARNING):

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from t5compress.cli import app
 from t5compress.errors import ConfigError, QuantizeError
 from t5compress.quantize import QuantizeConfig, run
-from t5compress.quantize.sensitivity import group_of, mixed, ranked, summary
+from t5compress.quantize.describe import ranked, summary
+from t5compress.quantize.graft import group_of, mixed
 
 runner = CliRunner()
 GROUPS = 2 * 7 + 2 * 11 + 1  # 2 encoder layers (q k v o wi_0 wi_1 wo), 2 decoder (+ cross), lm_head (the untied
@@ -331,7 +332,7 @@ def test_gptq_with_a_scale_per_block_moves_outputs_less_than_rounding_to_nearest
 
 def test_blockwise_with_calibration_texts_smooths_and_rounds_blocks_of_128_by_gptq(gated_export, demo_jsonl,
                                                                                   tmp_path):
-    from t5compress.quantize.stage import applied
+    from t5compress.quantize.modes import applied
 
     cfg = dict(mode="blockwise", calib_data=str(demo_jsonl), samples=32, min_agreement=0.5)
     runs = {r: run(gated_export, QuantizeConfig(**cfg, rounding=r), tmp_path / r, progress=False)
@@ -371,7 +372,7 @@ def test_gated_default_rounds_per_token_weights_by_gptq(gated_export, demo_jsonl
                                                 rounding=r), tmp_path / r, progress=False)
             for r in ("gptq", "nearest")}
     assert runs["gptq"]["rounding"] == "gptq" and runs["nearest"]["rounding"] == "nearest"
-    from t5compress.quantize.stage import applied
+    from t5compress.quantize.modes import applied
 
     assert dict(applied(runs["gptq"]))["weights"] == "rounded by GPTQ on the calibration inputs"
     assert "weights" not in dict(applied(runs["nearest"]))

@@ -1,17 +1,53 @@
-"""A quantize report told to people: (what, value) rows, the key numbers first (`t5compress.describe.quantize`)."""
+"""A quantize report told to people: (what, value) rows, the key numbers first (`t5compress.describe.quantize`), and
+the sensitivity search's report as text (the CLI's summary and `t5compress info` print these), with the outcomes it
+records."""
 
 from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Remedy(StrEnum):
+    """What the search chose before keeping any group fp32 (the report's `remedy.chosen`)."""
+
+    PER_TOKEN = "per-token int8"  # the linear layers are per-token int8: their outputs stay fp32 already
+    OUTPUTS_INT8 = "linear outputs int8"
+    OUTPUTS_FP32 = "linear outputs fp32"  # int8 weights and inputs, as dynamic int8 has them
+
+
+def ranked(report: dict) -> list[dict]:
+    """The sensitivity rows, most sensitive first, each with `kept` (whether the group stayed fp32)."""
+    kept = set(report.get("kept", []))
+    rows = sorted(report["groups"], key=lambda r: (r["next_token_agreement"], -r["mean_rel_logit_error"]))
+    return [{**r, "kept": r["group"] in kept} for r in rows]
+
+
+def summary(report: dict) -> str:
+    """One line: all-int8 agreement, what was kept fp32 and what that cost (size, with-past step time)."""
+    whole = report["all_int8"]["next_token_agreement"]
+    remedy = report.get("remedy", {}).get("chosen")
+    how = " (linear layers per-token)" if remedy == Remedy.PER_TOKEN else ""
+    measured = f"of {len(report['groups'])} layer groups " if report["groups"] else ""
+    head = (f"sensitivity {measured}({report['seconds']:.1f} s): all int8{how} picks fp32's next token at "
+            f"{whole:.2%}, target {report['target']:.1%}")
+    if remedy == Remedy.OUTPUTS_FP32:
+        fixed = report["remedy"]["linear_outputs_fp32"]["next_token_agreement"]
+        head += f" with the linear layers' outputs int8, {fixed:.2%} with them fp32 (kept so)"
+    if not report["kept"]:
+        return head + "; nothing kept fp32"
+    step = report.get("step_ms")
+    speed = f", decoder step {step['ratio']:.2f}x the all-int8 one" if step else ""
+    return (head + f"; kept fp32: {', '.join(report['kept'])} (+{report['kept_fp32_bytes'] / 1e6:.2f} MB{speed}) "
+            f"-> {report['kept_check']['next_token_agreement']:.2%}")
 
 
 def describe(r: dict) -> list[tuple[str, str]]:
     """Mode and size against fp32, agreement with fp32, task metrics side by side, then what was tuned, measured and
     kept fp32, and what was done beyond calibrated int8."""
-    from t5compress.quantize.stage import applied
+    from t5compress.quantize.modes import applied, how
 
     size, check = r["size"], r["check"]
-    how = r["mode"] + (f" ({r['method']}, {r['format']})" if r["mode"] == "static" else
-                       f", blocks of {r['block_size']}" if r["mode"] == "blockwise" else "")
-    rows = [(f"int8 {how}", f"{size['fp32_bytes'] / 1e6:.2f} MB → {size['int8_bytes'] / 1e6:.2f} MB "
+    rows = [(f"int8 {how(r)}", f"{size['fp32_bytes'] / 1e6:.2f} MB → {size['int8_bytes'] / 1e6:.2f} MB "
                             f"({size['ratio']:.2f}x), next token {check['next_token_agreement']:.2%} on "
                             f"{check['texts']} {check['on']}"),
             ("agreement with fp32", f"next token {check['next_token_agreement']:.2%}, greedy outputs "
@@ -47,8 +83,6 @@ def _searched(r: dict) -> list[tuple[str, str]]:
                                "--keep-fp32 sensitive measures each layer group and keeps the fewest fp32 that "
                                "reach it"))
     if sens:
-        from t5compress.quantize.sensitivity import ranked, summary
-
         rows.append(("sensitivity", summary(sens)))
         if sens["groups"]:  # the default measures them only when all int8 misses the target
             top = ", ".join(f"{g['group']} {g['next_token_agreement']:.1%}" for g in ranked(sens)[:5])

@@ -2,7 +2,7 @@
 each weight's rounding error is spread over the input channels not yet rounded, weighted by what the calibration
 inputs make of them, so that a layer's outputs on real inputs move less than with rounding to nearest.
 
-    grams = Gram(graph_path, node_names)          # a calibration statistic: X^T X of each node's input
+    grams = Gram(graph.model, node_names)         # a calibration statistic: X^T X of each node's input
     q, scale = gptq_int8(w, gram, weight_max)    # w: (in, out) as ONNX MatMul holds it
 
 With int8 activations taken per token, what static int8 still loses on the gated fixtures is mostly the weights'
@@ -27,8 +27,8 @@ class Gram:
     """X^T X of the inputs of the MatMul nodes among `names`, summed over real runs (a calibration statistic, see
     `calibrate.TapGraph`, like `smooth.ChannelMax`): one (in, in) float64 matrix per input, whatever the runs."""
 
-    def __init__(self, path: Path, names: list[str]):
-        model = load_onnx(str(path), load_external_data=False)
+    def __init__(self, model, names: list[str]):
+        """`model`: the graph's structure (`sources.Graph.model`; its weights are not read)."""
         self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names) and n.op_type == "MatMul"}
         self.tensors = list(dict.fromkeys(self.inputs.values()))
         self.gram: dict[str, np.ndarray] = {}

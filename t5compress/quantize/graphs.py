@@ -67,32 +67,34 @@ def ffn_output_nodes(names: list[str]) -> list[str]:
     return [n for n in names if FFN_OUTPUT in n]
 
 
-def untie_embeddings(src: Path, dst: Path) -> bool:
-    """Give each token-embedding Gather its own copy of a matrix it shares with the LM head; True if one was shared.
+def untie_embeddings(model: onnx.ModelProto) -> bool:
+    """Give each token-embedding Gather of `model` (in place) its own copy of a matrix it shares with the LM head; True
+    if one was shared.
 
     The export stores a tied embedding once per graph (a Gather on the LM head's transposed matrix, axis 1). ONNX
     Runtime's quantizer then quantizes that one initializer for both consumers, per output channel for the MatMul,
     which the Gather cannot take. Two int8 copies (a quarter of the fp32 bytes each) still beat one fp32 copy.
     """
-    model = load_onnx(str(src))
+    inits = {t.name: t for t in model.graph.initializer}
+    shared = shared_embeddings(model)
+    for node in shared:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(inits[node.input[0]])
+        copy.name = node.input[0] + "_embedding"
+        model.graph.initializer.append(copy)
+        node.input[0] = copy.name
+    return bool(shared)
+
+
+def shared_embeddings(model: onnx.ModelProto) -> list:
+    """The token-embedding Gather nodes whose matrix another node reads too (the structure is enough)."""
     users: dict[str, int] = {}
     for n in model.graph.node:
         for x in n.input:
             users[x] = users.get(x, 0) + 1
-    inits = {t.name: t for t in model.graph.initializer}
-    changed = False
-    for node in model.graph.node:
-        if node.op_type == "Gather" and EMBEDDING in node.name and users.get(node.input[0], 0) > 1 \
-                and node.input[0] in inits:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(inits[node.input[0]])
-            copy.name = node.input[0] + "_embedding"
-            model.graph.initializer.append(copy)
-            node.input[0] = copy.name
-            changed = True
-    if changed:
-        save_graph(model, dst, external=True)  # a scratch copy: its weights apart, never serialised whole
-    return changed
+    inits = initializer_names(model)
+    return [node for node in model.graph.node if node.op_type == "Gather" and EMBEDDING in node.name
+            and users.get(node.input[0], 0) > 1 and node.input[0] in inits]
 
 
 def share_lm_head_table(path: Path) -> int:

@@ -133,14 +133,13 @@ class StaticGraph:
     """Collects activation ranges of one graph from its runs (a calibration statistic), then writes the static int8
     graph."""
 
-    def __init__(self, src: Path, plan: Plan, method: str, work: Path, percentile: float = 99.999):
-        from t5compress.runtime.sessions import load_onnx
-
-        self.src, self.plan, self.method, self.work = src, plan, method, work
+    def __init__(self, graph, plan: Plan, method: str, work: Path, percentile: float = 99.999):
+        """`graph`: a `sources.Graph` (its file and its structure)."""
+        self.src, self.plan, self.method, self.work = graph.path, plan, method, work
         try:
-            tensors = calibrated_tensors(load_onnx(str(src), load_external_data=False), plan)
+            tensors = calibrated_tensors(graph.model, plan)
         except Exception as e:  # onnx's own types
-            raise QuantizeError(f"cannot prepare calibration of {src.name}: {first_line(e)}") from e
+            raise QuantizeError(f"cannot prepare calibration of {graph.path.name}: {first_line(e)}") from e
         self.ranges = Ranges(method, tensors, percentile)
         self.feeds = 0
         self.cache: Path | None = None

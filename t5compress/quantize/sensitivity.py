@@ -6,7 +6,7 @@ A *group* is one projection of one layer (`encoder.1 self q`, `decoder.0 cross o
 `embeddings`), the same nodes in every graph that holds them (the decoder and decoder-with-past share their names).
 Each group is measured alone, int8 as the stage writes it: the fp32 graphs (smoothed, when the stage smooths) with
 only that group's nodes reading their inputs through the int8 graph's QuantizeLinear/DequantizeLinear pairs (`mixed`:
-graph surgery, no new quantization), or, for per-token layers (a gated model's default), rewritten per-token
+graph surgery, no new quantization: `graft`), or, for per-token layers (a gated model's default), rewritten per-token
 (`pertoken.rewrite`); teacher-forced along fp32's greedy outputs on the stage's check texts (`check.Reference`; the
 eval texts when given, else the calibration texts): next-token agreement and logit error. Encoder groups run the
 encoder variant and fp32's decoder; decoder groups reuse fp32's encoder states, so the whole table costs about one
@@ -14,135 +14,29 @@ forward pass per group.
 
 Then the fewest groups are kept fp32, most sensitive first (lowest agreement alone, then largest logit error), found by
 doubling and bisection on the agreement of the all-but-kept int8 graphs. If even the least sensitive group alone stays
-below the target (every group breaks the model), the quantization is refused.
+below the target (every group breaks the model), the quantization is refused. The table as text: `describe`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from t5compress.cpu import FULL_WEIGHT_MAX
 from t5compress.errors import QuantizeError
 from t5compress.names import DECODER, ENCODER, ONNX_SUFFIX
+from t5compress.quantize.describe import Remedy
+from t5compress.quantize.graft import groups, mixed
+from t5compress.quantize.plan import EVERY_GROUP
 
 if TYPE_CHECKING:
     import onnx
 
+
 log = logging.getLogger(__name__)
-
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
-_LAYER = re.compile(
-    r"/(encoder|decoder)/block\.(\d+)/layer\.\d+/(SelfAttention|EncDecAttention|DenseReluDense)/(\w+)/")
-_KIND = {"SelfAttention": "self ", "EncDecAttention": "cross ", "DenseReluDense": ""}
-
-
-def group_of(node: str) -> str:
-    """The group label of an exported node: 'encoder.1 self q', 'decoder.0 cross o', 'decoder.3 wi_1', 'lm_head'."""
-    m = _LAYER.search(node)
-    if m:
-        stack, block, kind, proj = m.groups()
-        return f"{stack}.{block} {_KIND[kind]}{proj}"
-    if "lm_head" in node:
-        return "lm_head"
-    if "embed_tokens" in node:
-        return "embeddings"
-    return node
-
-
-def groups(nodes: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
-    """{group: {graph: [node names]}} from the quantizable nodes of each graph, in first-seen order."""
-    out: dict[str, dict[str, list[str]]] = {}
-    for graph, names in nodes.items():
-        for n in names:
-            out.setdefault(group_of(n), {}).setdefault(graph, []).append(n)
-    return out
-
-
-def mixed(fp32: onnx.ModelProto, int8: onnx.ModelProto, names: set[str], quantizable: set[str] = frozenset(),
-          ) -> onnx.ModelProto:
-    """`fp32` in which the nodes `names` read their inputs as `int8` (a QDQ graph of it) does: through its
-    QuantizeLinear/DequantizeLinear chains, with their int8 weights and scales, and hand on their outputs through its
-    output pairs. Nodes outside `quantizable` that read those dequantized tensors in `int8` (ONNX Runtime's quantizer
-    hands them to every consumer: residual adds, reshapes, the gate product) read them here too; the rest is fp32."""
-    import onnx
-
-    from t5compress.quantize.graphs import topological
-
-    out = onnx.ModelProto()
-    out.CopyFrom(fp32)
-    graft = _Graft(out, int8)
-    for node in out.graph.node:
-        q = graft.quantized.get(node.name)
-        if node.name in names and q is not None:
-            graft.node(node, q)
-    for node in out.graph.node:  # the other readers of what was quantized
-        q = graft.quantized.get(node.name)
-        if node.name not in names and node.name not in quantizable and q is not None \
-                and len(q.input) == len(node.input) and any(t in graft.made for t in q.input):
-            for i, t in enumerate(q.input):
-                if t in graft.made:
-                    node.input[i] = t
-    nodes = topological(list(out.graph.node) + graft.added)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
-
-
-class _Graft:
-    """Copies QuantizeLinear/DequantizeLinear nodes (and the constants they read) of `int8` into `out`."""
-
-    def __init__(self, out: onnx.ModelProto, int8: onnx.ModelProto):
-        self.out, self.added, self.made = out, [], set()
-        self.producers = {o: n for n in int8.graph.node for o in n.output}
-        self.readers: dict[str, list] = {}
-        for n in int8.graph.node:
-            for x in n.input:
-                self.readers.setdefault(x, []).append(n)
-        self.quantized = {n.name: n for n in int8.graph.node}
-        self.inits = {t.name: t for t in int8.graph.initializer}
-        self.have = {o for n in out.graph.node for o in n.output} | {i.name for i in out.graph.input}
-        self.have |= {t.name for t in out.graph.initializer}
-
-    def constant(self, name: str) -> None:
-        if name in self.inits and name not in self.have:
-            self.out.graph.initializer.append(self.inits[name])
-            self.have.add(name)
-
-    def take(self, p) -> None:
-        self.added.append(p)
-        self.have.update(p.output)
-        self.made.update(p.output)
-        for x in p.input:
-            self.constant(x)
-
-    def node(self, node, q) -> None:
-        """`node` of `out` reads and writes as its twin `q` of `int8` does."""
-        stack = list(q.input)  # upstream: what the node reads (quantized activation, int8 weight)
-        while stack:
-            t = stack.pop()
-            p = self.producers.get(t)
-            if p is not None and p.op_type in QDQ_OPS and t not in self.have:
-                self.take(p)
-                stack.extend(p.input)
-            elif p is None:
-                self.constant(t)
-        renamed = [o for o, qo in zip(node.output, q.output, strict=True) if o != qo]
-        if renamed:  # a graph output (logits): the quantizer renamed the node's output, its DequantizeLinear makes it
-            del node.output[:]
-            node.output.extend(q.output)
-            self.have.difference_update(renamed)
-        stack = list(q.output)  # downstream: its output's QuantizeLinear/DequantizeLinear pair, if quantized
-        while stack:
-            for r in self.readers.get(stack.pop(), []):
-                if r.op_type in QDQ_OPS and r.output[0] not in self.have:
-                    self.take(r)
-                    stack.extend(r.output)
-        del node.input[:]
-        node.input.extend(q.input)
 
 
 @dataclass
@@ -263,48 +157,50 @@ def _short(m: dict) -> dict:
     return {k: m[k] for k in ("next_token_agreement", "mean_rel_logit_error", "max_rel_logit_error")}
 
 
-PER_TOKEN = "per-token int8"  # the remedy when the linear layers are per-token int8: their outputs stay fp32
-
-
-def guided(fp32_runtime, sources: dict[str, Path], plans: dict, tokenwise: dict[str, list[str]], calibrators: dict,
-           cfg, texts: list[str], work: Path, rounded: dict | None = None, status=lambda text: None,
-           ) -> tuple[dict, dict, dict]:
-    """Measure every group's sensitivity on the calibrated graphs and keep the fewest fp32 for cfg.target_agreement.
+def guided(fp32_runtime, export, plans: dict, tokenwise: dict[str, list[str]], calibrators: dict, texts: list[str],
+           rounded: dict | None = None, status=lambda text: None) -> tuple[dict, dict, dict]:
+    """Measure every group's sensitivity on the calibrated graphs of `export` (a `sources.Export`) and keep the fewest
+    fp32 for its target agreement.
 
     `plans` quantize everything but the `tokenwise` nodes (per-token int8 with the `rounded` weights, measured as
     such); returns the plans and the per-token nodes with the kept groups excluded, and the `sensitivity` report."""
     from t5compress.quantize.check import CHECK_TEXTS, Reference
     from t5compress.quantize.methods import Plan
-    from t5compress.quantize.sources import KEEP_SENSITIVE
-    from t5compress.runtime.sessions import load_onnx
 
+    cfg, work, wmax = export.cfg, export.work, export.plan.weight_max
     measured = (ENCODER, DECODER)
     status("sensitivity: fp32 reference outputs")
     reference = Reference(fp32_runtime, texts[:CHECK_TEXTS], cfg.batch_size, cfg.max_new_tokens, store=work)
     if any(tokenwise.get(g) for g in measured):  # per-token layers: their outputs are fp32 already
-        outputs, remedy = True, {"chosen": PER_TOKEN}
+        outputs, remedy = True, {"chosen": Remedy.PER_TOKEN}
         for g in measured:
-            calibrators[g].write(work / f"{g}.all-int8{ONNX_SUFFIX}", "qdq", cfg.per_channel, _reduced(cfg))
+            calibrators[g].write(work / f"{g}.all-int8{ONNX_SUFFIX}", "qdq", cfg.per_channel, wmax < FULL_WEIGHT_MAX)
     else:
-        outputs, remedy = _outputs_remedy(calibrators, cfg, reference, work)
+        outputs, remedy = _outputs_remedy(calibrators, cfg, reference, work, wmax < FULL_WEIGHT_MAX)
     int8 = {g: work / f"{g}.all-int8{'' if outputs else '.fp32-outputs'}{ONNX_SUFFIX}" for g in measured}
-    variants = Variants({g: load_onnx(str(sources[g])) for g in measured},
-                        {g: load_onnx(str(int8[g])) for g in measured}, work,
-                        {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured},
-                        {g: set(tokenwise.get(g, [])) for g in measured}, _weight_max(cfg), rounded or {})
+    variants = Variants({g: export.graphs[g].weights() for g in measured}, {g: _load(int8[g]) for g in measured},
+                        work, {g: set(plans[g].nodes) | set(plans[g].exclude) for g in measured},
+                        {g: set(tokenwise.get(g, [])) for g in measured}, wmax, rounded or {})
     table = groups({g: [*p.nodes, *tokenwise.get(g, [])] for g, p in plans.items()})
     # asked for (sensitive): the whole table; the default (auto): only what reaching the target needs
     report = guide(variants, reference, table, cfg.target_agreement, cfg.threads, status,
-                   every_group=cfg.keep_fp32 == KEEP_SENSITIVE)
+                   every_group=export.plan.sensitivity == EVERY_GROUP)
     report["remedy"] = remedy
     kept = {g: set(report["kept_nodes"].get(g, [])) for g in plans}
     out = {g: Plan(tuple(n for n in p.nodes if n not in kept[g]), tuple(dict.fromkeys((*p.exclude, *sorted(kept[g])))),
                    p.op_types) for g, p in plans.items()}
-    report["kept_fp32_bytes"] = sum(_weight_bytes(sources[g], kept[g]) for g in plans) * 3 // 4  # fp32 - int8
+    fp32_bytes = sum(_weight_bytes(export.graphs[g].model, kept[g]) for g in plans)
+    report["kept_fp32_bytes"] = fp32_bytes * 3 // 4  # fp32 - int8
     return out, {g: [n for n in tokenwise.get(g, []) if n not in kept[g]] for g in plans}, report
 
 
-def _outputs_remedy(calibrators: dict, cfg, reference, work: Path) -> tuple[bool, dict]:
+def _load(path: Path):
+    from t5compress.runtime.sessions import load_onnx
+
+    return load_onnx(str(path))
+
+
+def _outputs_remedy(calibrators: dict, cfg, reference, work: Path, reduce: bool) -> tuple[bool, dict]:
     """The first remedy, tried before any group is kept fp32: the linear layers' outputs left fp32 (int8 weights
     and inputs, as dynamic int8 has them). Writes both all-int8 encoder/decoder pairs into `work` (QDQ: the mixes
     are cut from them); returns whether outputs stay int8 (the better of the two) and both measurements."""
@@ -314,34 +210,17 @@ def _outputs_remedy(calibrators: dict, cfg, reference, work: Path) -> tuple[bool
     for outputs, tag in ((True, ""), (False, ".fp32-outputs")):
         paths = {g: work / f"{g}.all-int8{tag}{ONNX_SUFFIX}" for g in (ENCODER, DECODER)}
         for g, path in paths.items():
-            calibrators[g].write(path, "qdq", cfg.per_channel, _reduced(cfg), outputs=outputs)
+            calibrators[g].write(path, "qdq", cfg.per_channel, reduce, outputs=outputs)
         got[outputs] = _short(reference.compare(*(OnnxGraph(paths[g], cfg.threads) for g in (ENCODER, DECODER))))
     int8_outputs = got[False]["next_token_agreement"] <= got[True]["next_token_agreement"]
     return int8_outputs, {"linear_outputs_int8": got[True], "linear_outputs_fp32": got[False],
-                    "chosen": "linear outputs int8" if int8_outputs else "linear outputs fp32"}
+                          "chosen": Remedy.OUTPUTS_INT8 if int8_outputs else Remedy.OUTPUTS_FP32}
 
 
-def _reduced(cfg) -> bool:
-    from t5compress.cpu import FULL_WEIGHT_MAX
-
-    return _weight_max(cfg) < FULL_WEIGHT_MAX
-
-
-def _weight_max(cfg) -> int:
-    from t5compress.cpu import weight_max
-
-    return weight_max(cfg.weight_range)
-
-
-def _weight_bytes(path: Path, names: set[str]) -> int:
-    """fp32 bytes of the constant weights the nodes `names` read."""
+def _weight_bytes(model, names: set[str]) -> int:
+    """fp32 bytes of the constant weights the nodes `names` read (from the graph's structure: their shapes)."""
     import numpy as np
 
-    from t5compress.runtime.sessions import load_onnx
-
-    if not names:
-        return 0
-    model = load_onnx(str(path))
     inits = {t.name: t for t in model.graph.initializer}
     weights = {x for n in model.graph.node if n.name in names for x in n.input if x in inits}
     return sum(int(np.prod(inits[w].dims)) * 4 for w in weights)
@@ -362,28 +241,3 @@ def step_ms(path: Path, feed: dict, threads: int = 1, repeats: int = 30) -> floa
             times.append(time.perf_counter() - t0)
     return round(float(np.median(times)) * 1000, 3)
 
-
-def ranked(report: dict) -> list[dict]:
-    """The sensitivity rows, most sensitive first, each with `kept` (whether the group stayed fp32)."""
-    kept = set(report.get("kept", []))
-    rows = sorted(report["groups"], key=lambda r: (r["next_token_agreement"], -r["mean_rel_logit_error"]))
-    return [{**r, "kept": r["group"] in kept} for r in rows]
-
-
-def summary(report: dict) -> str:
-    """One line: all-int8 agreement, what was kept fp32 and what that cost (size, with-past step time)."""
-    whole = report["all_int8"]["next_token_agreement"]
-    remedy = report.get("remedy", {}).get("chosen")
-    how = " (linear layers per-token)" if remedy == PER_TOKEN else ""
-    measured = f"of {len(report['groups'])} layer groups " if report["groups"] else ""
-    head = (f"sensitivity {measured}({report['seconds']:.1f} s): all int8{how} picks fp32's next token at "
-            f"{whole:.2%}, target {report['target']:.1%}")
-    if remedy == "linear outputs fp32":
-        fixed = report["remedy"]["linear_outputs_fp32"]["next_token_agreement"]
-        head += f" with the linear layers' outputs int8, {fixed:.2%} with them fp32 (kept so)"
-    if not report["kept"]:
-        return head + "; nothing kept fp32"
-    step = report.get("step_ms")
-    speed = f", decoder step {step['ratio']:.2f}x the all-int8 one" if step else ""
-    return (head + f"; kept fp32: {', '.join(report['kept'])} (+{report['kept_fp32_bytes'] / 1e6:.2f} MB{speed}) "
-            f"-> {report['kept_check']['next_token_agreement']:.2%}")

@@ -111,6 +111,13 @@ class ChannelMax:
 def smooth(path: Path, dst: Path, groups: list[Group], amax: dict[str, np.ndarray], alpha: float) -> dict:
     """Write the rescaled graph to `dst`; returns how many groups were rescaled and how far their scales spread."""
     model = load_onnx(str(path))
+    summary = smooth_model(model, groups, amax, alpha)
+    onnx.save(model, str(dst))
+    return summary
+
+
+def smooth_model(model: onnx.ModelProto, groups: list[Group], amax: dict[str, np.ndarray], alpha: float) -> dict:
+    """`smooth` on a model in memory (rescaled in place)."""
     inits = {t.name: t for t in model.graph.initializer}
     nodes = {n.name: n for n in model.graph.node}
 
@@ -138,6 +145,5 @@ def smooth(path: Path, dst: Path, groups: list[Group], amax: dict[str, np.ndarra
     read = {i for n in model.graph.node for i in n.input}
     for t in [t for t in model.graph.initializer if t.name not in read]:  # norm weights every norm now has a copy of
         model.graph.initializer.remove(t)
-    onnx.save(model, str(dst))
     return {"alpha": alpha, "groups": len(spread), "layers": sum(len(g.nodes) for g in groups if g.x in amax),
             "max_scale_ratio": round(max(spread), 2) if spread else None}

@@ -1,35 +1,171 @@
-"""What a quantization starts from, shared by the plain stage and accuracy-aware tuning: the graphs (untied, smoothed),
-the node plan of each, and the fp32 runtime driven over the calibration texts."""
+"""What a quantization starts from, shared by every method and by accuracy-aware tuning: the export's graphs, each one
+`Graph` that parses its file once, rewritten as the plan asks (untied, smoothed, int8 row lookups), the node plan of
+each, and the fp32 runtime driven over the calibration texts (`Export`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from t5compress import artifacts
-from t5compress.names import GRAPHS, ONNX_SUFFIX
+from t5compress.errors import ModelError
+from t5compress.names import DECODER_MERGED, ENCODER, GRAPHS, ONNX_SUFFIX
 from t5compress.progress import Reporter
-
-KEEP_AUTO, KEEP_NONE, KEEP_SENSITIVE = "auto", "none", "sensitive"
-PER_TOKEN_AUTO, PER_TOKEN_NONE = "auto", "none"
-AUTO_ALPHA = 0.5  # SmoothQuant's own default; on two trained gated fixtures 0.5, 0.7 and 0.85 did alike
+from t5compress.quantize.plan import KEEP_MEASURED, KEEP_NONE, KEEP_WO, PER_TOKEN_AUTO, PER_TOKEN_NONE, QuantPlan
 
 
-def untied(path: Path, work: Path) -> Path:
-    """`path` with its tied embedding table split from the LM head (a copy in `work`), or `path` if it has none."""
-    from t5compress.quantize.graphs import untie_embeddings
+class Graph:
+    """One graph as this run has it (the export's file, or a rewritten copy): its path, and its structure parsed once
+    and kept without its weights' bytes (node names, op types, shapes and types of the weights)."""
 
-    dst = work / f"{path.stem}.untied{ONNX_SUFFIX}"
-    return dst if untie_embeddings(path, dst) else path
+    def __init__(self, name: str, path: Path, model: Any = None):
+        self.name, self.path, self._model = name, Path(path), model
+
+    @property
+    def model(self):
+        if self._model is None:
+            from t5compress.runtime.sessions import load_onnx
+
+            self._model = load_onnx(str(self.path), load_external_data=False)
+            for t in self._model.graph.initializer:  # the structure is what is kept: shapes and types stay
+                t.ClearField("raw_data")
+        return self._model
+
+    def weights(self):
+        """The whole graph, weights included (a fresh parse: the caller rewrites it)."""
+        from t5compress.runtime.sessions import load_onnx
+
+        return load_onnx(str(self.path))
+
+    def rewritten(self, model, path: Path) -> Graph:
+        """`model` (this graph rewritten) saved to `path`, its weights apart: the in-memory copy keeps only the
+        structure, so the new Graph needs no parse."""
+        from t5compress.quantize.graphs import save_graph
+
+        save_graph(model, path, external=True)
+        return Graph(self.name, path, model)
 
 
-def plan_for(path: Path, cfg, gated: bool):
-    """The nodes of one graph to quantize and to keep fp32 (see `quantize.graphs`)."""
+def open_graphs(src: Path) -> dict[str, Graph]:
+    """The graphs of `src`, an fp32 ONNX export with the three graphs, not quantized already, that this machine can
+    quantize: else one line saying what is wrong."""
+    import onnx
+
+    from t5compress.quantize.graphs import quantized_ops
+    from t5compress.runtime.limits import check_stage_fits
+
+    if not src.is_dir():
+        raise ModelError(f"'{src}' is not a directory")
+    missing = [f"{g}{ONNX_SUFFIX}" for g in GRAPHS if not (src / f"{g}{ONNX_SUFFIX}").is_file()]
+    if missing and (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file() and (src / f"{ENCODER}{ONNX_SUFFIX}").is_file():
+        raise ModelError(f"'{src}' holds only the merged decoder; quantize needs the separate decoder graphs "
+                         f"(export again with them)")
+    if missing:
+        raise ModelError(f"'{src}' is not a complete ONNX export directory: missing {', '.join(missing)}")
+    graphs = {g: Graph(g, src / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
+    done = [g for g in GRAPHS if quantized_ops(graphs[g].model)]
+    if done:
+        raise ModelError(f"'{src}' is already quantized ({', '.join(done)} hold int8 ops); quantize its fp32 export")
+    if any(o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for o in graphs[ENCODER].model.graph.output):
+        raise ModelError(f"'{src}' is an fp16 export (export --dtype fp16); int8 is made from fp32 graphs: quantize "
+                         "an export without --dtype fp16")
+    check_stage_fits("quantize", src / "config.json", f"'{src}'")
+    return graphs
+
+
+@dataclass
+class Export:
+    """The export dir being quantized: its graphs as rewritten so far, the plan, the calibration texts, and the scratch
+    folder rewritten graphs and tapped sessions go to."""
+
+    src: Path
+    cfg: Any
+    plan: QuantPlan
+    graphs: dict[str, Graph]
+    texts: list[str] | None
+    work: Path  # the scratch folder, once open
+    progress: bool = True
+    evalset: list | None = None  # held-out records with targets
+    checked: tuple = (None, "")  # the texts the int8 result is checked on, and what they are (`check.check_texts`)
+
+    @property
+    def paths(self) -> dict[str, Path]:
+        return {g: graph.path for g, graph in self.graphs.items()}
+
+    def untie(self) -> None:
+        """Each graph with its tied embedding table split from the LM head (a copy in `work`), if it has one."""
+        from t5compress.quantize.graphs import shared_embeddings, untie_embeddings
+
+        for g, graph in self.graphs.items():
+            if not shared_embeddings(graph.model):
+                continue
+            model = graph.weights()
+            if untie_embeddings(model):
+                self.graphs[g] = graph.rewritten(model, self.work / f"{g}.untied{ONNX_SUFFIX}")
+
+    def smooth(self) -> dict:
+        """Measure the linear layers' input channels on the calibration texts, then rescale the graphs (written to
+        `work`; see `quantize.smooth`); returns what was rescaled, per graph."""
+        from t5compress.quantize.smooth import ChannelMax, smooth_groups, smooth_model
+
+        groups = {g: smooth_groups(graph.model) for g, graph in self.graphs.items()}
+        meters = {g: ChannelMax(groups[g]) for g in GRAPHS if groups[g]}
+        self.drive({g: [m] for g, m in meters.items()}, "measuring input channels")
+        summary = {}
+        for g, meter in meters.items():
+            model = self.graphs[g].weights()
+            summary[g] = smooth_model(model, groups[g], meter.amax, self.plan.smooth_alpha)
+            self.graphs[g] = self.graphs[g].rewritten(model, self.work / f"{g}.smoothed{ONNX_SUFFIX}")
+        return summary
+
+    def node_plans(self) -> tuple[dict, dict[str, list[str]]]:
+        """Each graph's node plan, and its linear layers given per-token int8 (left fp32 by calibration, rewritten
+        after it); what --keep-fp32 names stays fp32."""
+        plans = {g: plan_for(graph.model, self.cfg, self.plan) for g, graph in self.graphs.items()}
+        tokenwise = {g: [n for n in per_token_nodes(graph.model, self.plan) if n not in plans[g].exclude]
+                     for g, graph in self.graphs.items()}
+        return {g: _without(plans[g], tokenwise[g]) for g in plans}, tokenwise
+
+    def row_lookups(self, plans: dict) -> tuple[dict, dict[str, int]]:
+        """The graphs' embedding lookups gathering int8 rows, each with its own scale (`graphs.int8_row_lookups`;
+        static int8 gave an untied table one scale for all of it): the plans without those lookups, and how many each
+        graph has."""
+        from t5compress.quantize.graphs import int8_row_lookups
+
+        plans, done = dict(plans), {}
+        for g, graph in self.graphs.items():
+            names = {n.name for n in graph.model.graph.node if n.op_type == "Gather" and n.name in plans[g].nodes}
+            if not names:
+                done[g] = 0
+                continue
+            model = graph.weights()
+            done[g] = int8_row_lookups(model, names)
+            self.graphs[g] = graph.rewritten(model, self.work / f"{g}.rows{ONNX_SUFFIX}")
+            plans[g] = replace(plans[g], nodes=tuple(n for n in plans[g].nodes if n not in names))
+        return plans, done
+
+    def drive(self, stats: dict, what: str, texts: list[str] | None = None) -> dict[str, int]:
+        """Generate on the calibration texts through the graphs (tapped by `stats`, see `calibrate.drive`)."""
+        from t5compress.quantize.calibrate import drive
+
+        texts = texts or self.texts
+        cfg = self.cfg
+        with Reporter("quantize", len(texts), unit="text", what=what, enabled=self.progress, transient=True) as bar:
+            return drive(self.src, self.paths, texts, stats, cfg.batch_size, cfg.max_new_tokens, self.work,
+                         cfg.threads, progress=bar.update)
+
+
+def _without(plan, names: list[str]):
+    """`plan` with `names` moved from its quantized nodes to those the calibration leaves fp32."""
+    return replace(plan, nodes=tuple(n for n in plan.nodes if n not in names),
+                   exclude=tuple(dict.fromkeys((*plan.exclude, *names))))
+
+
+def plan_for(model, cfg, plan: QuantPlan):
+    """The nodes of one graph (its structure) to quantize and to keep fp32 (see `quantize.graphs`)."""
     from t5compress.quantize.graphs import embedding_nodes, ffn_output_nodes, linear_nodes, matching
     from t5compress.quantize.methods import Plan
-    from t5compress.runtime.sessions import load_onnx
 
-    model = load_onnx(str(path), load_external_data=False)
     linear_ops = tuple(t for t in cfg.op_types if t in ("MatMul", "Gemm"))
     nodes = linear_nodes(model, linear_ops) if linear_ops else []
     nodes += [n.name for n in model.graph.node if n.op_type in cfg.op_types and n.op_type not in ("MatMul", "Gemm")]
@@ -37,106 +173,37 @@ def plan_for(path: Path, cfg, gated: bool):
     if cfg.embeddings:
         nodes += [n for n in embedding_nodes(model) if n not in nodes]
         op_types += ["Gather"] if "Gather" not in op_types else []
-    if cfg.keep_fp32 == KEEP_AUTO:  # per-token int8 (auto) is what replaced keeping `wo` fp32 for gated models
-        outliers = gated and smoothing_alpha(cfg, gated) == 0 and cfg.mode != "blockwise"  # a block scale takes them
-        keep = ffn_output_nodes(nodes) if outliers and not uses_per_token(cfg) else []
-    elif cfg.keep_fp32 == KEEP_NONE:
+    if plan.keep_fp32 in (KEEP_NONE, KEEP_MEASURED):
         keep = []
+    elif plan.keep_fp32 == KEEP_WO:
+        keep = ffn_output_nodes(nodes)
     else:
-        keep = matching(nodes, tuple(p.strip() for p in cfg.keep_fp32.split(",") if p.strip()))
+        keep = matching(nodes, _parts(plan.keep_fp32))
     return Plan(tuple(n for n in nodes if n not in keep), tuple(keep), tuple(op_types))
 
 
-def uses_per_token(cfg) -> bool:
-    """Whether static int8 gives some linear layers per-token scales (see `quantize.pertoken`): not with --tolerance
-    (its search measures QDQ graphs). --keep-fp32 sensitive measures the per-token layers as per-token."""
-    return cfg.mode == "static" and cfg.per_token != PER_TOKEN_NONE and cfg.tolerance is None
-
-
-def smoothing_alpha(cfg, gated: bool) -> float:
-    """SmoothQuant's migration strength: as given, else (auto) AUTO_ALPHA for a gated model under per-token auto.
-
-    Per-token scales follow each row's size but not a channel's: on the trained gated fixture the few outlier
-    channels of the layer-norm outputs still cost held-out outputs until migrated into the weights
-    (benchmarks/results/current/int8_gated.md)."""
-    if cfg.smooth_alpha is not None:
-        return cfg.smooth_alpha
-    if cfg.mode == "blockwise":  # a block's scale follows its largest channel: move outliers out when data is given
-        return AUTO_ALPHA if gated and cfg.calib_data else 0.0
-    return AUTO_ALPHA if gated and cfg.per_token == PER_TOKEN_AUTO and uses_per_token(cfg) else 0.0
-
-
-def per_token_nodes(path: Path, cfg, gated: bool, tied: bool) -> list[str]:
+def per_token_nodes(model, plan: QuantPlan) -> list[str]:
     """The linear layers of one graph to quantize per token: for auto, every linear layer of a gated model but a tied
     LM head (which shares its int8 table with the embedding lookup, `graphs.share_lm_head_table`)."""
     from t5compress.quantize.graphs import linear_nodes, matching
-    from t5compress.runtime.sessions import load_onnx
 
-    if not uses_per_token(cfg):
+    if plan.per_token == PER_TOKEN_NONE:
         return []
-    linear = linear_nodes(load_onnx(str(path), load_external_data=False), ("MatMul",))
-    if cfg.per_token != PER_TOKEN_AUTO:
-        return matching(linear, tuple(p.strip() for p in cfg.per_token.split(",") if p.strip()))
-    if not gated:
-        return []
-    return [n for n in linear if not (tied and "lm_head" in n)]
+    linear = linear_nodes(model, ("MatMul",))
+    if plan.per_token != PER_TOKEN_AUTO:
+        return matching(linear, _parts(plan.per_token))
+    return [n for n in linear if not (plan.tied and "lm_head" in n)]
 
 
-def is_tied(export_dir: Path) -> bool:
-    """Whether the export's LM head shares the token embedding's matrix (T5 v1.0; not T5 v1.1 / Flan)."""
+def _parts(names: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in names.split(",") if p.strip())
+
+
+def model_config(export_dir: Path) -> tuple[bool, bool]:
+    """(gated, tied) from the export's config.json: a gated FFN (T5 v1.1 / Flan, whose `wo` inputs have outliers),
+    and an LM head sharing the token embedding's matrix (T5 v1.0; not T5 v1.1 / Flan)."""
+    from t5compress import artifacts
+
     config = artifacts.read_json(export_dir / "config.json") or {}
-    return bool(config.get("tie_word_embeddings", True))
-
-
-def is_gated(export_dir: Path) -> bool:
-    """Whether the export's model has a gated FFN (T5 v1.1 / Flan): its `wo` inputs have outliers."""
-    config = artifacts.read_json(export_dir / "config.json") or {}
-    return str(config.get("feed_forward_proj", "relu")).startswith("gated")
-
-
-def row_lookups(sources: dict[str, Path], plans: dict, work: Path) -> tuple[dict[str, Path], dict, dict[str, int]]:
-    """The graphs with the embedding lookups of their plans gathering int8 rows, each with its own scale (written to
-    `work`; see `graphs.int8_row_lookups`), the plans without those lookups, and how many each graph has. Static int8
-    gave an untied table one scale for all of it."""
-    import onnx
-
-    from t5compress.quantize.graphs import int8_row_lookups
-    from t5compress.runtime.sessions import load_onnx
-
-    out, plans, done = dict(sources), dict(plans), {}
-    for g, path in sources.items():
-        model = load_onnx(str(path))
-        names = {n.name for n in model.graph.node if n.op_type == "Gather" and n.name in plans[g].nodes}
-        done[g] = int8_row_lookups(model, names)
-        if done[g]:
-            out[g] = work / f"{g}.rows{ONNX_SUFFIX}"
-            onnx.save(model, str(out[g]))
-            plans[g] = replace(plans[g], nodes=tuple(n for n in plans[g].nodes if n not in names))
-    return out, plans, done
-
-
-def smoothed(src: Path, sources: dict[str, Path], alpha: float, cfg, texts: list[str], work: Path, progress: bool):
-    """Measure the linear layers' input channels on the calibration texts, then write rescaled fp32 graphs into
-    `work` (see `quantize.smooth`)."""
-    from t5compress.quantize.smooth import ChannelMax, smooth, smooth_groups
-    from t5compress.runtime.sessions import load_onnx
-
-    groups = {g: smooth_groups(load_onnx(str(p), load_external_data=False)) for g, p in sources.items()}
-    meters = {g: ChannelMax(groups[g]) for g in GRAPHS if groups[g]}
-    drive_texts(src, sources, texts, {g: [m] for g, m in meters.items()}, cfg, work, progress,
-                "measuring input channels")
-    smoothed, summary = dict(sources), {}
-    for g, meter in meters.items():
-        smoothed[g] = work / f"{g}.smoothed{ONNX_SUFFIX}"
-        summary[g] = smooth(sources[g], smoothed[g], groups[g], meter.amax, alpha)
-    return smoothed, summary
-
-
-def drive_texts(src: Path, graphs: dict[str, Path], texts: list[str], stats: dict, cfg, work: Path, progress: bool,
-                what: str) -> dict[str, int]:
-    """Generate on `texts` through `graphs` (tapped by `stats`, see `calibrate.drive`), showing progress."""
-    from t5compress.quantize.calibrate import drive
-
-    with Reporter("quantize", len(texts), unit="text", what=what, enabled=progress, transient=True) as bar:
-        return drive(src, graphs, texts, stats, cfg.batch_size, cfg.max_new_tokens, work, cfg.threads,
-                     progress=bar.update)
+    return (str(config.get("feed_forward_proj", "relu")).startswith("gated"),
+            bool(config.get("tie_word_embeddings", True)))

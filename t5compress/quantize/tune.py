@@ -1,6 +1,6 @@
 """Accuracy-aware static int8 with onnx-neural-compressor: keep nodes fp32 until the task metric is within tolerance.
 
-    run(src, tmp, QuantizeConfig(calib_data=..., eval_data=..., tolerance=0.01), texts, evalset) -> graphs report
+    run(export, tmp) -> graphs report  # the stage's `sources.Export` of a config with eval_data and tolerance
 
 The search is onnx-neural-compressor's own (`tuning.autotune` over a `TuningConfig` of `StaticQuantConfig`s, its
 calibration and its quantizer); what it tunes is which nodes stay fp32, in growing groups (non-linear op types if
@@ -156,16 +156,16 @@ class Pipeline:
         return float(scores[self.metric])
 
 
-def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = True) -> dict:
-    """Tune and write the three int8 graphs into `tmp`; returns the `graphs` part of the quantize report."""
+def run(export, tmp: Path) -> dict:
+    """Tune and write the three int8 graphs of `export` (a `sources.Export`) into `tmp`; returns the `graphs` part of
+    the quantize report."""
     from t5compress.quantize.calibrate import Recorder
-    from t5compress.quantize.methods import scratch_dir
-    from t5compress.quantize.sources import drive_texts, is_gated, smoothed, smoothing_alpha, untied
 
     _onc()
+    cfg, evalset = export.cfg, export.evalset
     if not evalset:
         raise ConfigError("tolerance: tuning needs --eval-data with targets (the task metric it keeps)")
-    pipe = Pipeline(src, cfg, evalset)
+    pipe = Pipeline(export.src, cfg, evalset)
     fp32 = pipe.score()
     if fp32 <= 0:
         raise QuantizeError(f"the fp32 model scores 0 {pipe.metric} on {cfg.eval_data}: no tolerance can be kept")
@@ -179,20 +179,16 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     for q in quiet:
         q.setLevel(logging.ERROR)
     try:
-        with scratch_dir(tmp.parent) as scratch, _status(progress) as status:
-            sources = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
-            feeds = drive_texts(src, sources, texts, {g: [r] for g, r in recorders.items()}, cfg, Path(scratch),
-                                progress, "recording calibration feeds")
+        with _status(export.progress) as status:
+            feeds = export.drive({g: [r] for g, r in recorders.items()}, "recording calibration feeds")
             if cfg.embeddings:  # the same untied, smoothed fp32 graphs as untuned static int8 starts from
-                sources = {g: untied(p, Path(scratch)) for g, p in sources.items()}
-            alpha = smoothing_alpha(cfg, is_gated(src))
-            if alpha > 0:
-                sources, report["smooth_quant"] = smoothed(src, sources, alpha, cfg, texts, Path(scratch), progress)
+                export.untie()
+            if export.plan.smooth_alpha > 0:
+                report["smooth_quant"] = export.smooth()
             for g in TUNE_ORDER:
                 dst = tmp / f"{g}{ONNX_SUFFIX}"
                 status(f"tuning {g}")
-                report[g] = tune_graph(g, sources[g], dst, cfg, pipe, goal, recorders[g].feeds, trials, status,
-                                       gated=is_gated(src))
+                report[g] = tune_graph(export.graphs[g], dst, export, pipe, goal, recorders[g].feeds, trials, status)
                 report[g]["seen_feeds"] = feeds[g]
                 pipe.use(g, dst)
     finally:
@@ -203,18 +199,19 @@ def run(src: Path, tmp: Path, cfg, texts: list[str], evalset, progress: bool = T
     return report
 
 
-def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, feeds: list, trials: list,
-               status=lambda text: None, gated: bool = False) -> dict:
-    """onnx-neural-compressor's autotune on graph `g` (the other graphs as `pipe` has them); writes `dst`.
-    Appends one record per trial to `trials` and shows each result through `status(text)`."""
+def tune_graph(graph, dst: Path, export, pipe: Pipeline, goal: float, feeds: list, trials: list,
+               status=lambda text: None) -> dict:
+    """onnx-neural-compressor's autotune on `graph` (a `sources.Graph`; the other graphs as `pipe` has them); writes
+    `dst`. Appends one record per trial to `trials` and shows each result through `status(text)`."""
     import onnxruntime as ort
 
     from t5compress.quantize.sources import plan_for
 
     tuning, config, _ = _onc()
-    plan = plan_for(path, cfg, gated)
+    g, path, cfg = graph.name, graph.path, export.cfg
+    plan = plan_for(graph.model, cfg, export.plan)
     nodes = list(plan.nodes) + list(plan.exclude)
-    cands = candidates(nodes, list(plan.exclude), _linear(path))
+    cands = candidates(nodes, list(plan.exclude), _linear(graph.model))
     state: dict = {"index": 0}
     pipe.use(g, path)
     baseline = pipe.score()  # this graph fp32, the ones tuned before it int8
@@ -234,7 +231,7 @@ def tune_graph(g: str, path: Path, dst: Path, cfg, pipe: Pipeline, goal: float, 
 
     # autotune stops at baseline x (1 - tolerable_loss): make that the end-to-end goal, fp32 x (1 - tolerance)
     tolerable = max(0.0, 1 - goal / baseline) + 1e-9 if baseline > 0 else 0.0
-    configs = _configs(config, cfg, path, plan, cands, len(feeds))
+    configs = _configs(config, cfg, graph.model, plan, cands, len(feeds))
     tune_cfg = tuning.TuningConfig(config_set=configs, sampler=_recording_sampler(state), tolerable_loss=tolerable,
                                    max_trials=len(configs))
     try:
@@ -259,22 +256,19 @@ def _attr(graph: str) -> str:
     return {ENCODER: "encoder", DECODER: "decoder", DECODER_WITH_PAST: "decoder_with_past"}[graph]
 
 
-def _linear(path: Path) -> list[str]:
-
+def _linear(model) -> list[str]:
     from t5compress.quantize.graphs import embedding_nodes, linear_nodes
 
-    model = load_onnx(str(path), load_external_data=False)
     return linear_nodes(model) + embedding_nodes(model)
 
 
-def _configs(config, cfg, path: Path, plan, cands: list[tuple[str, list[str]]], feeds: int) -> list:
+def _configs(config, cfg, model, plan, cands: list[tuple[str, list[str]]], feeds: int) -> list:
     """One onnx-neural-compressor StaticQuantConfig per candidate. What is not quantized is excluded by name: every
     node of the op types outside the plan or kept fp32 (an empty nodes_to_quantize would mean all of them)."""
     import onnxruntime as ort
 
     methods = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
     fmt = {"qdq": "QDQ", "qoperator": "QOperator"}[cfg.format]
-    model = load_onnx(str(path), load_external_data=False)
     typed = [n.name for n in model.graph.node if n.op_type in plan.op_types]
     planned = set(plan.nodes) | set(plan.exclude)
     try:

@@ -154,7 +154,10 @@ def _build_prune(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
 
 
 def _build_quantize(where: str, s: dict, i: Inputs, cls: type, flatten: dict):
-    calib = i.train if s.get("mode", "static") == "static" else None
+    from t5compress.quantize.modes import METHODS
+
+    method = METHODS.get(s.get("mode", "static"))  # an unknown mode is the config's to refuse
+    calib = i.train if method is not None and method.needs_texts else None
     # the check reads the held-out eval texts, not the training ones the model has learnt (see quantize.stage)
     return schema.build(where, cls, _defaults(s, calib_data=calib, eval_data=i.eval), flatten)
 

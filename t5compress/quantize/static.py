@@ -1,0 +1,81 @@
+"""Static int8, the `static` method's work: calibrate every graph on what it sees while generating, round the
+per-token layers' weights by GPTQ, measure which groups to keep fp32 when the plan says so (`sensitivity`), then
+write the graphs (the per-token layers rewritten after calibration, `pertoken`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from t5compress.cpu import FULL_WEIGHT_MAX
+from t5compress.names import DECODER_WITH_PAST, GRAPHS, ONNX_SUFFIX
+from t5compress.quantize.plan import GPTQ, OFF
+
+
+def write_static(export, plans: dict, tokenwise: dict, tmp: Path, held: list[str] | None):
+    """Calibrate on the calibration texts, (guided: on `held`, else those texts) measure each group's sensitivity and
+    keep the fewest fp32, write the graphs into `tmp`; returns the plans written, the per-token nodes, the feeds each
+    graph saw, and the sensitivity report (None unless measured)."""
+    from t5compress.progress import Reporter
+    from t5compress.quantize import sensitivity as sens
+    from t5compress.quantize.calibrate import Snapshot
+    from t5compress.quantize.describe import Remedy
+    from t5compress.quantize.gptq import Gram
+    from t5compress.quantize.methods import StaticGraph
+    from t5compress.quantize.pertoken import per_token_int8
+    from t5compress.runtime import load_runtime
+
+    cfg, plan, work = export.cfg, export.plan, export.work
+    guided = plan.sensitivity != OFF
+    calibrators = {g: StaticGraph(graph, plans[g], cfg.method, work, cfg.percentile)
+                   for g, graph in export.graphs.items()}
+    stats = {g: [c] for g, c in calibrators.items()}
+    probe = Snapshot(at=cfg.max_new_tokens // 2)  # a mid-generation with-past step, to time what kept groups cost
+    if guided:
+        stats[DECODER_WITH_PAST].append(probe)
+    grams = {g: Gram(graph.model, tokenwise[g]) for g, graph in export.graphs.items()
+             if plan.rounding == GPTQ and tokenwise[g]}
+    for g, gram in grams.items():
+        stats[g].append(gram)
+    feeds = export.drive(stats, "calibrating")
+    rounded = gptq(export, grams, plan.weight_max)
+    report, every = None, dict(tokenwise)
+    if guided:
+        fp32 = load_runtime(export.src, threads=cfg.threads)
+        with Reporter("quantize", what="sensitivity", enabled=export.progress, transient=True) as bar:
+            plans, tokenwise, report = sens.guided(fp32, export, plans, tokenwise, calibrators, held or export.texts,
+                                                   rounded, status=lambda text: bar.update(0, what=text))
+    outputs = report is None or report["remedy"]["chosen"] != Remedy.OUTPUTS_FP32
+    reduce = plan.weight_max < FULL_WEIGHT_MAX
+    for g in GRAPHS:
+        calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g], outputs)
+        tokenwise[g] = per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], plan.weight_max, rounded.get(g))
+    if report is not None and (report["kept"] or not outputs) and probe.feeds is not None:
+        report["step_ms"] = _step_cost(export, calibrators[DECODER_WITH_PAST], plans[DECODER_WITH_PAST],
+                                       every[DECODER_WITH_PAST], rounded.get(DECODER_WITH_PAST), probe.feeds, tmp)
+    return plans, tokenwise, feeds, report
+
+
+def _step_cost(export, calibrator, plan, tokenwise: list[str], rounded: dict | None, feeds: dict, tmp: Path) -> dict:
+    """What the groups kept fp32 cost a decoder-with-past step: its time all int8 and as written, on one real feed."""
+    from t5compress.quantize.pertoken import per_token_int8
+    from t5compress.quantize.sensitivity import step_ms
+
+    cfg, path = export.cfg, export.work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
+    static = tuple(n for n in plan.exclude if n not in tokenwise)  # kept fp32 by the measuring
+    calibrator.write(path, cfg.format, cfg.per_channel, export.plan.weight_max < FULL_WEIGHT_MAX,
+                     replace(plan, nodes=plan.nodes + static, exclude=()))
+    per_token_int8(path, tokenwise, export.plan.weight_max, rounded)
+    all_ms = step_ms(path, feeds)
+    kept_ms = step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", feeds)
+    return {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
+
+
+def gptq(export, grams: dict, weight_max: int, group: int | None = None) -> dict:
+    """`gptq.round_graphs` on the export's graphs, with a progress bar."""
+    from t5compress.progress import Reporter
+    from t5compress.quantize.gptq import round_graphs
+
+    with Reporter("quantize", sum(len(g.inputs) for g in grams.values()), unit="layer", what="GPTQ rounding",
+                  enabled=export.progress, transient=True) as bar:
+        return round_graphs(export.paths, grams, weight_max, step=lambda: bar.update(1), group=group)
