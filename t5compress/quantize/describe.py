@@ -4,15 +4,7 @@ records."""
 
 from __future__ import annotations
 
-from enum import StrEnum
-
-
-class Remedy(StrEnum):
-    """What the search chose before keeping any group fp32 (the report's `remedy.chosen`)."""
-
-    PER_TOKEN = "per-token int8"  # the linear layers are per-token int8: their outputs stay fp32 already
-    OUTPUTS_INT8 = "linear outputs int8"
-    OUTPUTS_FP32 = "linear outputs fp32"  # int8 weights and inputs, as dynamic int8 has them
+from t5compress.quantize.plan import Remedy
 
 
 def ranked(report: dict) -> list[dict]:

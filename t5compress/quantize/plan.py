@@ -4,6 +4,7 @@ printed before the work starts and recorded in report.json under "plan"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 KEEP_AUTO, KEEP_NONE, KEEP_SENSITIVE = "auto", "none", "sensitive"
 PER_TOKEN_AUTO, PER_TOKEN_NONE = "auto", "none"
@@ -16,6 +17,14 @@ KEEP_WO = "wo"  # T5's FFN outputs (gated models without per-token int8 or smoot
 KEEP_MEASURED = "measured"  # the sensitivity search decides
 # what `sensitivity` resolves to
 OFF, IF_NEEDED, EVERY_GROUP = "off", "if needed", "every group"
+
+
+class Remedy(StrEnum):
+    """What the search chose before keeping any group fp32 (the report's `remedy.chosen`)."""
+
+    PER_TOKEN = "per-token int8"  # the linear layers are per-token int8: their outputs stay fp32 already
+    OUTPUTS_INT8 = "linear outputs int8"
+    OUTPUTS_FP32 = "linear outputs fp32"  # int8 weights and inputs, as dynamic int8 has them
 
 
 @dataclass(frozen=True)

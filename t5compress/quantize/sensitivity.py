@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING
 from t5compress.cpu import FULL_WEIGHT_MAX
 from t5compress.errors import QuantizeError
 from t5compress.names import DECODER, ENCODER, ONNX_SUFFIX
-from t5compress.quantize.describe import Remedy
 from t5compress.quantize.graft import groups, mixed
-from t5compress.quantize.plan import EVERY_GROUP
+from t5compress.quantize.plan import EVERY_GROUP, Remedy
 
 if TYPE_CHECKING:
     import onnx

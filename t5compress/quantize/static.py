@@ -19,10 +19,10 @@ def write_static(export, plans: dict, tokenwise: dict, tmp: Path, held: list[str
     from t5compress.progress import Reporter
     from t5compress.quantize import sensitivity as sens
     from t5compress.quantize.calibrate import Snapshot
-    from t5compress.quantize.describe import Remedy
     from t5compress.quantize.gptq import Gram
     from t5compress.quantize.methods import StaticGraph
     from t5compress.quantize.pertoken import per_token_int8
+    from t5compress.quantize.plan import Remedy
     from t5compress.runtime import load_runtime
 
     cfg, plan, work = export.cfg, export.plan, export.work
