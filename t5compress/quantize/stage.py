@@ -144,6 +144,7 @@ def _prepare(src: Path, cfg: QuantizeConfig, method, progress: bool):
     from t5compress.quantize.calibrate import load_texts
     from t5compress.quantize.check import check_texts
     from t5compress.quantize.sources import Export, model_config, open_graphs
+    from t5compress.runtime.limits import check_stage_fits, gram_bytes
 
     graphs = open_graphs(src)
     texts = load_texts(cfg.calib_data, cfg.field, cfg.prefix, cfg.samples) if cfg.calib_data else None
@@ -152,6 +153,8 @@ def _prepare(src: Path, cfg: QuantizeConfig, method, progress: bool):
         evalset = load_examples(cfg.eval_data, DataConfig(source_field=cfg.field))[: cfg.eval_max]
     plan = method.resolve(cfg, *model_config(src), held=bool(evalset))
     log.info("plan: %s", plan.describe())
+    if plan.rounding == GPTQ:  # its X^T X come on top of what calibrating holds
+        check_stage_fits("quantize", src / "config.json", f"'{src}'", extra=gram_bytes)
     return Export(src, cfg, plan, graphs, texts, src, progress, evalset, check_texts(cfg, texts, evalset))
 
 

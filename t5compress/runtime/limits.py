@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,21 +120,39 @@ def parameters(config: dict) -> int:
 # shapes.
 STAGE_MEMORY = {
     "export": (1.5 * 2**30, 3.3),  # the PyTorch model, its traced copy, the ONNX graphs and their check
-    # the graphs run once while calibrating (t5-base, static int8 on 512-token texts: 3.5 GB); GPTQ's X^T X of a
-    # gated model comes on top (d_in^2 float64 per linear input: ~7 GB for flan-t5-large, not counted here)
+    # the graphs run once while calibrating (t5-base, static int8 on 512-token texts: 3.5 GB); GPTQ's X^T X comes
+    # on top where weights are GPTQ-rounded (`gram_bytes`; flan-t5-large, static int8: 16.6 GB in all)
     "quantize": (0.5 * 2**30, 3.5),
 }
 
 
-def check_stage_fits(stage: str, config_file: Path, name: str, available: int | None = None) -> None:
+def gram_bytes(config: dict) -> int:
+    """GPTQ's X^T X (float64, d_in^2 for each distinct linear input), all held until a graph's pass ends, in the
+    encoder, decoder and decoder-with-past graphs: encoder blocks read d_model (q, k, v; wi), inner (o) and d_ff (wo);
+    decoder blocks also their cross-attention's (flan-t5-large: 7.6 GB)."""
+    d, ff = int(config["d_model"]), int(config["d_ff"])
+    inner = int(config["num_heads"]) * int(config["d_kv"])
+    enc = int(config["num_layers"])
+    dec = int(config.get("num_decoder_layers") or enc)
+    square = 8 * (d * d), 8 * (inner * inner), 8 * (ff * ff)
+    encoder = enc * (2 * square[0] + square[1] + square[2])
+    decoder = dec * (4 * square[0] + 2 * square[1] + square[2]) + square[0]  # + the LM head's input
+    return encoder + 2 * decoder
+
+
+def check_stage_fits(stage: str, config_file: Path, name: str, available: int | None = None,
+                     extra: Callable[[dict], int] | None = None) -> None:
     """Refuse, before anything is loaded, a model whose `stage` needs more memory than this machine has available
-    (one ModelError line naming both); a missing or unreadable config.json is left to the stage's own checks."""
+    (one ModelError line naming both); a missing or unreadable config.json is left to the stage's own checks.
+    `extra(config)`: bytes this run needs beyond the stage's usual (`gram_bytes`)."""
     try:
-        params = parameters(json.loads(config_file.read_text()))
+        config = json.loads(config_file.read_text())
+        params = parameters(config)
+        more = extra(config) if extra else 0
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
     base, factor = STAGE_MEMORY[stage]
-    need = base + factor * FLOAT * params
+    need = base + factor * FLOAT * params + more
     available = available_memory() if available is None else available
     if available is not None and need > available:
         raise ModelError(f"{name} ({params / 1e9:.2f}B parameters) needs about {need / 2**30:.0f} GB to {stage}; this "
