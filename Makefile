@@ -12,9 +12,9 @@ TRITON_REQS := triton_models/requirements.txt
 .PHONY: demo test test-fast lint docs clean triton-env bench bench-env gpu-env gpu-check
 
 # onnx-neural-compressor 1.0 (quantize --tolerance) declares numpy<2, but the path we use (StaticQuantConfig,
-# its calibration and quantizer, tuning.autotune) runs under numpy 2: tests/test_tune.py runs exactly that path.
+# its calibration and quantizer, tuning.autotune) runs under numpy 2: tests/quantize/test_tune.py runs exactly that path.
 # Installed with its dependencies it would downgrade numpy, so it goes in --no-deps, its dependencies come from
-# the `inc` extra, and `pip check` reports that one pin and nothing else (tests/test_tune.py checks it).
+# the `inc` extra, and `pip check` reports that one pin and nothing else (tests/quantize/test_tune.py checks it).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -45,7 +45,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check t5compress triton_models tests benchmarks
 
-docs: $(STAMP)  ## rewrite the generated option tables in docs/*.md from the CLI (tests/test_docs.py checks them)
+docs: $(STAMP)  ## rewrite the generated option tables in docs/*.md from the CLI (tests/cli/test_docs.py checks them)
 	$(BIN)/python -m t5compress.cli.docgen
 
 # The speed benchmark's peers (CTranslate2, OpenVINO via optimum-intel) live in their own venv: optimum-intel pulls a
@@ -70,7 +70,7 @@ bench: $(BENCH_STAMP)  ## the goals benchmark: t5compress bench on the t5-small,
 # 13) in its own venv. onnxruntime (CPU, a main dependency) and onnxruntime-gpu install the same `onnxruntime` module,
 # so the CPU one is uninstalled and onnxruntime-gpu reinstalled over the files that removed (the known recipe); `pip
 # check` then reports t5compress's onnxruntime requirement as missing, and nothing else. ORT_GPU is the extra's range
-# (tests/test_runtime_device.py checks they agree). torch from PyPI on Linux is its CUDA build here (for the PyTorch
+# (tests/runtime/test_runtime_device.py checks they agree). torch from PyPI on Linux is its CUDA build here (for the PyTorch
 # fp16 rows of benchmarks/gpu_check.sh).
 GPU_VENV := .venv-gpu
 GPU_STAMP := $(GPU_VENV)/.installed

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_t5
 from typer.testing import CliRunner
 
 from t5compress import artifacts
 from t5compress.cli import app
 from t5compress.errors import OutputError
+from tests.conftest import build_tiny_t5
 
 runner = CliRunner()
 CLI = [sys.executable, "-m", "t5compress.cli"]

@@ -7,7 +7,7 @@ Each page holds one generated block per command it documents:
     <!-- options:end -->
 
 `python -m t5compress.cli.docgen` (or `make docs`) rewrites every block in place; `--check` only reports the stale
-ones and exits 1. tests/test_docs.py fails while any block differs from what `render` gives now.
+ones and exits 1. tests/cli/test_docs.py fails while any block differs from what `render` gives now.
 """
 
 from __future__ import annotations

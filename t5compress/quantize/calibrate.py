@@ -7,9 +7,9 @@ augmented with the tensors its statistics read (`TapGraph`), and generation runs
 are loaded once, and every step is computed once. A statistic folds each run into a state whose size does not depend
 on the data (a running min / max, a histogram, a sum of X^T X, a per-channel max), and a run is split into row chunks
 so that its tokens and the extra tensors it returns stay within a budget. Calibration memory is the model plus that
-working set, whatever the number of texts or steps (tests/test_quantize.py measures it; benchmarks/scale.py on a
-t5-base shape). One array per tensor per fold also means tensors of different lengths are never stacked, which ONNX
-Runtime's Entropy and Percentile collectors require.
+working set, whatever the number of texts or steps (tests/quantize/test_quantize.py measures it; benchmarks/scale.py
+on t5-base and flan-t5-large shapes). One array per tensor per fold also means tensors of different lengths are never
+stacked, which ONNX Runtime's Entropy and Percentile collectors require.
 
 A statistic is any object with `augment(model) -> [names]` (add nodes to the graph in memory if it wants, and name
 the tensors it reads) and `__call__(feeds, values)` (the run's inputs, and those tensors).

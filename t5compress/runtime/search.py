@@ -72,7 +72,8 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 # A one-node ONNX model, LogSoftmax(axis=-1) on x: float32 (rows, vocab) -> y, opset 13, serialised here because the
-# runtime does not import the onnx package; tests/test_search.py rebuilds it with onnx.helper and checks the bytes.
+# runtime does not import the onnx package; tests/runtime/test_search.py rebuilds it with onnx.helper and checks the
+# bytes.
 LOG_SOFTMAX_ONNX = bytes.fromhex(
     "0808120a7435636f6d70726573733a730a280a0178120179220a4c6f67536f66746d61782a140a046178697318ffffffffffffffffff01"
     "a00102120b6c6f675f736f66746d61785a1c0a017812170a15080112110a061204726f77730a071205766f636162621c0a017912170a15"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_runtime import BEAM, GREEDY, MODELS, assert_same, build_model, inputs, reference
 from typer.testing import CliRunner
 
 from t5compress.cli import app
@@ -20,6 +19,7 @@ from t5compress.errors import ConfigError, ModelError
 from t5compress.export import ExportConfig, run
 from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER
 from t5compress.runtime import detect_format, load_runtime
+from tests.runtime.test_runtime import BEAM, GREEDY, MODELS, assert_same, build_model, inputs, reference
 
 runner = CliRunner()
 NAMES = ("relu-tied", "gated-untied")

@@ -28,7 +28,7 @@ from t5compress.triton import TritonConfig, run
 from t5compress.triton import config as pbtxt
 from t5compress.triton.server import ENV_VAR, Ports, ServerError, find_server, open_log, start
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 TEXTS = ["translate: hello world", "summarize: a b c d e f", "xyz", "the cat sat on the mat", "42 + 17 = ?",
          "Grüße aus Köln", "one two three four five six seven", "q"]
@@ -38,7 +38,7 @@ TEXTS = ["translate: hello world", "summarize: a b c d e f", "xyz", "the cat sat
 def export_dir(tmp_path_factory) -> Path:
     """A tiny T5 whose outputs end with EOS at different steps (test_runtime's model), so that rows batched with
     longer ones, finished beams and per-request cropping are exercised; exported by the export stage."""
-    from test_runtime import build_model, export_with
+    from tests.runtime.test_runtime import build_model, export_with
 
     root = tmp_path_factory.mktemp("triton")
     return export_with("onnx", build_model(root / "model"), root / "export")

@@ -468,7 +468,7 @@ def test_write_result_stamps_the_json_first_and_the_markdown_under_its_title(tmp
 def test_an_old_bench_json_with_goals_renders_and_rerenders_in_todays_format(tmp_path):
     from t5compress.bench.report import markdown, rerender
 
-    old = Path(__file__).parents[1] / "benchmarks/results/archive/before_issue19/bench_goals.json"
+    old = Path(__file__).parents[2] / "benchmarks/results/archive/before_issue19/bench_goals.json"
     old = json.loads(old.read_text())
     old = old["shapes"]["t5-small"]
     assert "goals" in old and "speedups" not in old

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_t5
 from typer.testing import CliRunner
 
 from t5compress import artifacts
@@ -22,6 +21,7 @@ from t5compress.export.onnx import needs_external_data, save_onnx
 from t5compress.export.verify import CASES, greedy, make_batch, open_onnx
 from t5compress.model.load import load_model
 from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, present_names
+from tests.conftest import build_tiny_t5
 
 torch.set_num_threads(1)
 runner = CliRunner()

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from conftest import build_tiny_t5
 from safetensors.torch import load_file
 
 from t5compress.data import DataConfig, encode, load_examples
@@ -19,6 +18,7 @@ from t5compress.model.load import load_model, load_tokenizer
 from t5compress.train import stage as training
 from t5compress.train.evaluation import evaluate
 from t5compress.train.loop import TrainConfig
+from tests.conftest import build_tiny_t5
 
 
 def _cfg(data, **train) -> training.FinetuneConfig:

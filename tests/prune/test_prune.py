@@ -214,7 +214,7 @@ def test_global_dir_with_dropped_layers_exports_with_parity(tiny_model_dir, demo
     from t5compress.export import run as export
 
     src = tmp_path / "deep"
-    from conftest import build_tiny_t5
+    from tests.conftest import build_tiny_t5
 
     build_tiny_t5(src, num_layers=3, num_decoder_layers=3)
     report = run(str(src), _cfg(demo_jsonl, heads=0.4, ffn=0.5, schedule="global", decoder_layers=2),
@@ -239,11 +239,10 @@ def test_config_and_plan_reject_bad_values():
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory, demo_jsonl) -> Path:
     """A tiny T5 trained on the demo task to real but imperfect skill (rougeL ~20, loss ~1.5 here)."""
-    from conftest import build_tiny_t5
-
     from t5compress.data import DataConfig
     from t5compress.train import stage as training
     from t5compress.train.loop import TrainConfig
+    from tests.conftest import build_tiny_t5
 
     root = tmp_path_factory.mktemp("trained")
     init = build_tiny_t5(root / "init", d_model=64, d_ff=128, d_kv=16)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_runtime import build_model, export_with, inputs
 
 from t5compress.names import DECODER_WITH_PAST
 from t5compress.runtime import load_runtime, session_options
 from t5compress.runtime.sharedkv import ENV, WEIGHTS, SharedCacheDecoder, SharedGraph, open_shared, rewritten
 from t5compress.runtime.stepgraph import rewrite
+from tests.runtime.test_runtime import build_model, export_with, inputs
 
 
 @pytest.fixture(scope="module")

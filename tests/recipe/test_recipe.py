@@ -14,7 +14,7 @@ from t5compress import recipe
 from t5compress.cli import app
 from t5compress.recipe import RecipeError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
 runner = CliRunner()
 

@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import build_tiny_t5
 
 from t5compress.runtime import hugepages, load_runtime
+from tests.conftest import build_tiny_t5
 
 # What this kernel can do decides what the tests expect: every branch asserts a number.
 CAN = hugepages.enabled() and tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit()) >= (6, 1)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_t5
 from typer.testing import CliRunner
 
 from t5compress.cli import app
@@ -18,6 +17,7 @@ from t5compress.model.load import load_model, load_tokenizer
 from t5compress.prune import PruneConfig, run
 from t5compress.prune.vocab import check_trimmable, mandatory_ids, pieces_used, plan_vocab, trim_vocab
 from t5compress.tasks import make_examples
+from tests.conftest import build_tiny_t5
 
 torch.set_num_threads(1)
 runner = CliRunner()

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_t5
 from typer.testing import CliRunner
 
 from t5compress.cli import app
@@ -21,6 +20,7 @@ from t5compress.model.load import load_model, save_model_dir
 from t5compress.model.tokenization import byte_level
 from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS
 from t5compress.runtime import load_runtime
+from tests.conftest import build_tiny_t5
 
 torch.set_num_threads(1)
 runner = CliRunner()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import build_tiny_t5
 from typer.testing import CliRunner
 
 from t5compress import artifacts
@@ -21,6 +20,7 @@ from t5compress.errors import DataError
 from t5compress.export import ExportConfig, run
 from t5compress.runtime import ByteTokenizer, load_runtime
 from t5compress.runtime.text import read_tokenizer_config
+from tests.conftest import build_tiny_t5
 
 runner = CliRunner()
 TEXTS = ["hello world", "héllo wörld — ünïcode 🙂", "a </s> b", "x<extra_id_0>y <extra_id_12> z", "", "ends</s>",

@@ -18,7 +18,7 @@ from t5compress.export import ExportConfig, run
 from t5compress.runtime import device as dev
 from t5compress.runtime import load_runtime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from t5compress.cli import app, docgen
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 COMMANDS = list(docgen.commands())

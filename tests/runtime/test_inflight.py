@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_runtime import build_model, hf_model, inputs, reference
 
 from t5compress.errors import ConfigError, ModelError
 from t5compress.names import DECODER_MASK, DECODER_WITH_PAST, MANIFEST_FILE
 from t5compress.runtime import load_runtime
 from t5compress.runtime.inflight import InflightBatch, supports_inflight
+from tests.runtime.test_runtime import build_model, hf_model, inputs, reference
 
 
 @pytest.fixture(scope="module")
