@@ -252,7 +252,7 @@ def _assert_one_line(result, needle: str) -> None:
 
 
 def test_gptq_gram_counts_in_what_quantize_needs(tmp_path):
-    """GPTQ's X^T X of flan-t5-large (measured: static int8 peaked at 16.6 GB, 9.1 GB more than dynamic's 7.5) is
+    """GPTQ's X^T X of flan-t5-large (measured: static int8 peaked at 16.2 GiB, 8.9 GiB more than dynamic's 7.3) is
     counted: a machine with room for calibrating but not for the Grams refuses it, one with room for both does not."""
     from t5compress.errors import ModelError
     from t5compress.model.architectures import architecture

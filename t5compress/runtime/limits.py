@@ -121,7 +121,7 @@ def parameters(config: dict) -> int:
 STAGE_MEMORY = {
     "export": (1.5 * 2**30, 3.3),  # the PyTorch model, its traced copy, the ONNX graphs and their check
     # the graphs run once while calibrating (t5-base, static int8 on 512-token texts: 3.5 GB); GPTQ's X^T X comes
-    # on top where weights are GPTQ-rounded (`gram_bytes`; flan-t5-large, static int8: 16.6 GB in all)
+    # on top where weights are GPTQ-rounded (`gram_bytes`; flan-t5-large, static int8: 16.2 GiB in all)
     "quantize": (0.5 * 2**30, 3.5),
 }
 
@@ -129,7 +129,7 @@ STAGE_MEMORY = {
 def gram_bytes(config: dict) -> int:
     """GPTQ's X^T X (float64, d_in^2 for each distinct linear input), all held until a graph's pass ends, in the
     encoder, decoder and decoder-with-past graphs: encoder blocks read d_model (q, k, v; wi), inner (o) and d_ff (wo);
-    decoder blocks also their cross-attention's (flan-t5-large: 7.6 GB)."""
+    decoder blocks also their cross-attention's (flan-t5-large: 7.1 GiB)."""
     d, ff = int(config["d_model"]), int(config["d_ff"])
     inner = int(config["num_heads"]) * int(config["d_kv"])
     enc = int(config["num_layers"])
