@@ -118,11 +118,11 @@ def test_qat_keeps_the_metric_and_the_dir_loads_as_plain_fp32(qat_run):
     saved = scales["encoder.block.0.layer.0.SelfAttention.q.act_scale"]
     assert float(attn.q.act.scale().detach()) == pytest.approx(float(saved))
     assert not (out.parent / "qat.partial").exists()
-    from t5compress.info import _metric_rows
+    from t5compress.describe import qat as described
 
-    rows = dict(_metric_rows(report))  # what `t5compress info` shows: fp32 and int8 before and after QAT
-    assert rows["int8 after QAT"].startswith(f"loss {m['int8_qat']['loss']}")
-    assert f"loss {m['fp32_start']['loss']}" in rows["fp32 at the start"]
+    rows = dict(described(report))  # what `t5compress info` and the CLI show: fp32 and int8 before and after QAT
+    assert f"loss {m['int8_qat']['loss']}" in rows["int8 fake-quant, after QAT"]
+    assert f"loss {m['fp32_start']['loss']}" in rows["fp32 (start)"]
 
 
 def test_export_of_a_qat_dir_writes_int8_qdq_graphs_that_ort_runs_with_int8_kernels(qat_run, tiny_model_dir, tmp_path):
