@@ -166,7 +166,7 @@ def render(result: dict) -> str:
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_mb']} MB, {' '.join(m['flags'])}; Python "
              f"{m['python']}. Random-weight shapes, byte-level tokenizer (a character is a token). Each stage is "
              "its own `t5compress` process; peak RSS is the kernel's.", "",
-             "| shape | stage | texts x tokens | s | peak RSS MB | rc | commit | also |",
+             "| shape | stage | texts x tokens | s | peak RSS MiB | rc | commit | also |",
              "|---|---|---|---:|---:|---:|---|---|"]
     for r in result["rows"]:
         tx = f"{r['texts']} x {r['tokens']}" if "texts" in r else ""
@@ -181,7 +181,7 @@ def _also(row: dict) -> str:
     """The serve row's extra measures: the request's seconds and the whole server's RSS after it."""
     if "request_s" not in row:
         return ""
-    return f"request {row['request_s']} s; server tree {row['server_tree_rss_mb']} MB after it"
+    return f"request {row['request_s']} s; server tree {row['server_tree_rss_mb']} MiB after it"
 
 
 def main() -> None:
