@@ -189,9 +189,7 @@ def _task_metrics(cfg, evalset, p32: list[str], p8: list[str] | None, int8) -> d
 
 def _probe_texts(rt, n: int = 32) -> list[str]:
     """Without any data (dynamic, no --eval-data): texts decoded from random token ids of the model's vocabulary."""
-    from t5compress import artifacts
-
     rng = np.random.default_rng(0)
-    vocab = int((artifacts.read_json(rt.path / "config.json") or {}).get("vocab_size", 256))
+    vocab = rt.shape.vocab if rt.shape else 256
     texts = [rt.decode(rng.integers(3, vocab, (1, int(rng.integers(4, 24)))))[0] for _ in range(n)]
     return [t for t in texts if t.strip()] or ["hello"]

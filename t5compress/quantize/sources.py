@@ -47,12 +47,11 @@ class Graph:
 
 
 def open_graphs(src: Path) -> dict[str, Graph]:
-    """The graphs of `src`, an fp32 ONNX export with the three graphs, not quantized already, that this machine can
-    quantize: else one line saying what is wrong."""
+    """The graphs of `src`, an fp32 ONNX export with the three graphs, not quantized already: else one line saying
+    what is wrong. (Whether this machine can quantize it depends on the plan: `stage._prepare` asks.)"""
     import onnx
 
     from t5compress.quantize.graphs import quantized_ops
-    from t5compress.runtime.limits import check_stage_fits
 
     if not src.is_dir():
         raise ModelError(f"'{src}' is not a directory")
@@ -69,7 +68,6 @@ def open_graphs(src: Path) -> dict[str, Graph]:
     if any(o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for o in graphs[ENCODER].model.graph.output):
         raise ModelError(f"'{src}' is an fp16 export (export --dtype fp16); int8 is made from fp32 graphs: quantize "
                          "an export without --dtype fp16")
-    check_stage_fits("quantize", src / "config.json", f"'{src}'")
     return graphs
 
 

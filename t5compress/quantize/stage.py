@@ -139,7 +139,8 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, *, 
 
 
 def _prepare(src: Path, cfg: QuantizeConfig, method, progress: bool):
-    """The export checked, its graphs open, the calibration texts and eval records read, the plan resolved."""
+    """The export checked, its graphs open, the calibration texts and eval records read, the plan resolved, and the
+    memory it needs checked against this machine's (once, before any weight is loaded)."""
     from t5compress.data import DataConfig, load_examples
     from t5compress.quantize.calibrate import load_texts
     from t5compress.quantize.check import check_texts
@@ -153,8 +154,8 @@ def _prepare(src: Path, cfg: QuantizeConfig, method, progress: bool):
         evalset = load_examples(cfg.eval_data, DataConfig(source_field=cfg.field))[: cfg.eval_max]
     plan = method.resolve(cfg, *model_config(src), held=bool(evalset))
     log.info("plan: %s", plan.describe())
-    if plan.rounding == GPTQ:  # its X^T X come on top of what calibrating holds
-        check_stage_fits("quantize", src / "config.json", f"'{src}'", extra=gram_bytes)
+    # GPTQ's X^T X come on top of what calibrating holds
+    check_stage_fits("quantize", src / "config.json", f"'{src}'", extra=gram_bytes if plan.rounding == GPTQ else None)
     return Export(src, cfg, plan, graphs, texts, src, progress, evalset, check_texts(cfg, texts, evalset))
 
 
