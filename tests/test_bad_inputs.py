@@ -160,6 +160,14 @@ CASES = [
     ("export-larger-than-the-machine", "export {xxl_model} {out}", "(11.27B parameters) needs about", None),
     ("quantize-larger-than-the-machine", "quantize {xxl_export} {out} --dynamic", "GB to quantize; this machine has",
      None),
+    ("train-larger-than-the-machine", "train {xxl_model} {data} {out} --max-steps 1", "GB to train; this machine has",
+     None),
+    ("train-batches-larger-than-the-machine", "train {model} {data} {out} --batch-size 4096 --max-source-length "
+     "65536", "at batch 4096 of 65536 -> 128 tokens: lower --batch-size", None),
+    ("qat-larger-than-the-machine", "qat {xxl_model} {data} {out} --max-steps 1", "GB to qat; this machine has", None),
+    ("prune-larger-than-the-machine", "prune {xxl_model} {out} --heads 0.5 --calib-data {data}", "GB to prune; this machine has", None),
+    ("recover-larger-than-the-machine", "recover {xxl_model} {out} --data {data} --steps 1",
+     "GB to recover; this machine has", None),
     ("generate-min-above-max", "generate {export} hello --min-new-tokens 10 --max-new-tokens 2",
      "min_new_tokens: 10 is more than max_new_tokens (2)", None),
     # 6. architecture overrides

@@ -34,7 +34,7 @@ from t5compress.names import (
     ONNX_SUFFIX,
     past_names,
 )
-from t5compress.runtime.limits import check_stage_fits
+from t5compress.runtime.limits import check_model_fits
 
 if TYPE_CHECKING:
     from t5compress.export.graphs import GraphSpec
@@ -198,8 +198,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
     from t5compress.export.graphs import graph_specs, manifest
 
     with artifacts.envelope("export", src, cfg, out, force=force) as env:  # claimed before loading anything heavy
-        if Path(src).is_dir():
-            check_stage_fits("export", Path(src) / "config.json", f"'{src}'")
+        check_model_fits("export", src)
         hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
         if hook is not None and cfg.dtype != "fp32":
             raise ConfigError(f"--dtype {cfg.dtype}: '{src}' is a QAT model dir, whose export is int8 Q/DQ graphs "

@@ -98,8 +98,10 @@ def new_model(corpus: Corpus, cfg: PretrainConfig):
 def _model_and_tokenizer(corpus: Corpus, cfg: PretrainConfig, work: Path, resume: bool):
     """New model: built once, its tokenizer kept in the work dir so a resumed run tokenizes the same way."""
     from t5compress.model.load import create_model, load_model, load_tokenizer
+    from t5compress.runtime.limits import check_model_fits
 
     if not cfg.is_new:
+        check_model_fits("pretrain", cfg.model)
         return load_model(cfg.model), load_tokenizer(cfg.model)
     if resume and (work / "tokenizer").is_dir():
         tokenizer = load_tokenizer(work / "tokenizer")

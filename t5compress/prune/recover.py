@@ -152,9 +152,11 @@ def run(src: str | Path, cfg: RecoverConfig, out: str | Path, *, force: bool = F
     """Recover the pruned model `src` into `out`; the report has the metric before and after."""
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
     from t5compress.prune.measure import measure_eval
+    from t5compress.runtime.limits import check_model_fits
     from t5compress.train.checkpoint import prepare_workdir
 
     with artifacts.envelope("recover", src, cfg, out, force=force) as env:
+        check_model_fits("recover", src)
         model, tokenizer = load_model(src), load_tokenizer(src)
         teacher = aligned_teacher(teacher_of(src, cfg), tokenizer) if cfg.distill else None
         work = prepare_workdir(env.out, cfg, force, resume)

@@ -172,10 +172,12 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, for
     from t5compress.model import layout, units
     from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
     from t5compress.prune import measure, schedule
+    from t5compress.runtime.limits import check_model_fits
 
     if resume and cfg.recover is None:
         raise ConfigError("resume: only a recovery can be resumed; give the same --recover-data as the first run")
     with artifacts.envelope("prune", src, cfg, out, force=force) as env:
+        check_model_fits("prune", src)
         model, tokenizer = load_model(src), load_tokenizer(src)
         job = _vocab_plan(tokenizer, cfg) if cfg.vocab else None
         calib_ex, eval_ex, data_stats = load_splits(cfg.calib_data or cfg.vocab, cfg.eval_data, cfg.data)

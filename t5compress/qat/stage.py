@@ -45,7 +45,7 @@ def run(
 ) -> artifacts.Report:
     """Quantization-aware fine-tuning of `src`; writes the best model and its scales to `out`. Returns the report."""
     with artifacts.envelope("qat", src, cfg, out, force=force) as env:
-        s = open_session(src, cfg.finetune, env.out, force, resume, record=cfg)
+        s = open_session(src, cfg.finetune, env.out, force, resume, record=cfg, stage="qat")
         fp32_start = _evaluate(s, cfg) if s.is_main else None
         prepare(s.model, cfg.quant)
         calibrate(s.model, _calibration_batches(s, cfg))

@@ -124,6 +124,11 @@ STAGE_MEMORY = {
     # on top where weights are GPTQ-rounded (`gram_bytes`; flan-t5-large, static int8: 16.2 GiB in all)
     "quantize": (0.5 * 2**30, 3.5),
 }
+# Stages that train hold the weights, their gradients and AdamW's two moments (4x), and, through the backward pass,
+# the activations (`activation_bytes`, which `check_model_fits` adds where they outgrow the moments); pruning with
+# distilled recovery also a teacher (flan-t5-large, prune 50/50 and 4 recovery steps at batch 2: 14.2 GiB, 4.5x).
+STAGE_MEMORY.update({stage: (1.5 * 2**30, 4.0) for stage in ("train", "qat", "pretrain")})
+STAGE_MEMORY.update({stage: (1.5 * 2**30, 4.5) for stage in ("prune", "recover")})
 
 
 def gram_bytes(config: dict) -> int:
@@ -140,11 +145,29 @@ def gram_bytes(config: dict) -> int:
     return encoder + 2 * decoder
 
 
+def activation_bytes(config: dict, batch: int, source: int, target: int) -> int:
+    """What training keeps for the backward pass, fp32 without recomputation, for batches of `source`-token inputs
+    and `target`-token labels. Per layer and token, after Korthikanti et al. 2022 (doubled for fp32): about 13
+    d_model for attention and norms (x1.5 in the decoder, which also attends across), 2 + 4.75 d_ff/d_model for the
+    FFN (x1.5 gated), 5 per head and attended token; and the logits three times; all x1.3, what `t5compress train`
+    of a t5-base shape (512 -> 64 tokens) measured: 0.98 GiB more peak memory per example of the batch."""
+    d, ff, heads = int(config["d_model"]), int(config["d_ff"]), int(config["num_heads"])
+    enc = int(config["num_layers"])
+    dec = int(config.get("num_decoder_layers") or enc)
+    ffn = 2 + 4.75 * ff / d * (1.5 if str(config.get("feed_forward_proj", "relu")).startswith("gated") else 1)
+    encoder = source * (13 + ffn) * d + 5 * heads * source * source
+    decoder = target * (13 * 1.5 + ffn) * d + 5 * heads * target * (target + source)
+    logits = 3 * target * int(config["vocab_size"])
+    return int(1.3 * batch * (2 * (enc * encoder + dec * decoder) + FLOAT * logits))  # the counts are fp16 bytes
+
+
 def check_stage_fits(stage: str, config_file: Path, name: str, available: int | None = None,
-                     extra: Callable[[dict], int] | None = None) -> None:
+                     extra: Callable[[dict], int] | None = None,
+                     lower: str = "use a machine with more memory, or a smaller model") -> None:
     """Refuse, before anything is loaded, a model whose `stage` needs more memory than this machine has available
-    (one ModelError line naming both); a missing or unreadable config.json is left to the stage's own checks.
-    `extra(config)`: bytes this run needs beyond the stage's usual (`gram_bytes`)."""
+    (one ModelError line naming both, and `lower`: how to need less); a missing or unreadable config.json is left
+    to the stage's own checks. `extra(config)`: bytes this run needs beyond the stage's usual (`gram_bytes`,
+    `activation_bytes`)."""
     try:
         config = json.loads(config_file.read_text())
         params = parameters(config)
@@ -156,8 +179,23 @@ def check_stage_fits(stage: str, config_file: Path, name: str, available: int | 
     available = available_memory() if available is None else available
     if available is not None and need > available:
         raise ModelError(f"{name} ({params / 1e9:.2f}B parameters) needs about {need / 2**30:.0f} GB to {stage}; this "
-                         f"machine has {available / 2**30:.1f} GB available (use a machine with more memory, or a "
-                         f"smaller model)")
+                         f"machine has {available / 2**30:.1f} GB available ({lower})")
+
+
+def check_model_fits(stage: str, src: str | os.PathLike, batch: tuple[int, int, int] | None = None) -> None:
+    """`check_stage_fits` for the model dir `src` (a hub id is not checked: its config is not here before loading);
+    `batch`: (examples, source tokens, target tokens) of the largest training batch, whose activations count too."""
+    if not Path(src).is_dir():
+        return
+    if batch is None:
+        check_stage_fits(stage, Path(src) / "config.json", f"'{src}'")
+    else:
+        def beyond_moments(c: dict) -> int:  # the peak is the optimizer's step or the backward pass, the larger
+            return max(0, activation_bytes(c, *batch) - 2 * FLOAT * parameters(c))
+
+        check_stage_fits(stage, Path(src) / "config.json", f"'{src}'", extra=beyond_moments,
+                         lower=f"at batch {batch[0]} of {batch[1]} -> {batch[2]} tokens: lower --batch-size (raise "
+                               "--grad-accum to keep the step) or --max-source-length, or use a smaller model")
 
 
 def release_memory() -> None:

@@ -12,6 +12,7 @@ from t5compress import artifacts
 from t5compress.config import option, require
 from t5compress.data import DataConfig, Encoded, encode, load_splits
 from t5compress.model.load import describe, load_model, load_tokenizer, save_model_dir
+from t5compress.runtime.limits import check_model_fits
 from t5compress.train.checkpoint import prepare_workdir, workdir_of
 from t5compress.train.loop import EvalSet, TrainConfig, fit
 
@@ -42,8 +43,10 @@ class Session:
     is_main: bool
 
 
-def open_session(src: str, cfg: FinetuneConfig, out: Path, force: bool, resume: bool, record: Any = None) -> Session:
+def open_session(src: str, cfg: FinetuneConfig, out: Path, force: bool, resume: bool, record: Any = None,
+                 stage: str = "train") -> Session:
     """Load model, tokenizer and data, and prepare the work dir (`record`: the stage config it is started with)."""
+    check_model_fits(stage, src, (cfg.train.batch_size, cfg.data.max_source_length, cfg.data.max_target_length))
     model = load_model(src)
     tokenizer = load_tokenizer(src)
     train_ex, eval_ex, data_stats = load_splits(cfg.train_data, cfg.eval_data, cfg.data)
