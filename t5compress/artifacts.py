@@ -240,6 +240,56 @@ def _remove_stale_temporaries(out: Path) -> None:
                     ", ".join(p.name for p in stale))
 
 
+# --- scratch dirs: owned by a live process, or removable -------------------------------------------------------------
+# A stage's scratch (quantize's augmented calibration graphs: gigabytes at t5-base) lives beside its output, on the
+# same file system. A lock inside names its owner; a later run removes every scratch dir whose lock nobody holds, the
+# debris of a kill -9 (Ctrl-C and SIGTERM unwind through the `with` and remove their own).
+
+SCRATCH_OWNER = ".owner"
+
+
+@contextlib.contextmanager
+def scratch_dir(near: str | os.PathLike, prefix: str) -> Iterator[Path]:
+    """A new folder `near/PREFIXXXXXXXXX`, removed when the block ends; first removes the `prefix` folders there
+    whose owner died."""
+    near = Path(near)
+    _remove_orphaned_scratch(near, prefix)
+    # made under another name and renamed once its owner holds the lock: a folder of the pattern always has one
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}new.", dir=near))
+    fd = os.open(path / SCRATCH_OWNER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else can hold it
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        path = path.rename(near / f"{prefix}{path.name[-8:]}")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # still locked while it goes, so no other run touches it
+        os.close(fd)
+
+
+def _remove_orphaned_scratch(near: Path, prefix: str) -> None:
+    pattern = re.compile(re.escape(prefix) + r"[a-z0-9_]{8}")
+    removed = []
+    for p in near.iterdir() if near.is_dir() else ():
+        if not (pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink()):
+            continue
+        try:  # no owner file: made by an older version, which may still be running; not ours to judge
+            fd = os.open(p / SCRATCH_OWNER, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its owner is alive
+        shutil.rmtree(p, ignore_errors=True)
+        os.close(fd)
+        removed.append(p.name)
+    if removed:
+        log.warning("removed %d scratch dir(s) left in '%s' by a killed run: %s", len(removed), near,
+                    ", ".join(removed))
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from t5compress.artifacts import read_json, replace_dir, write_json
 from t5compress.errors import OutputError
 
 LATEST = "latest.json"
+log = logging.getLogger(__name__)
 
 
 def _stage_dir(workdir: Path, final: Path, write) -> None:
@@ -67,12 +69,21 @@ def save_checkpoint(workdir: Path, model, optimizer, scheduler, state: dict, kee
     return workdir / name
 
 
-def load_checkpoint(workdir: Path, model, optimizer, scheduler) -> dict:
-    """Restore model, optimizer, scheduler and RNG from the latest checkpoint; return its training state."""
-    latest = read_json(workdir / LATEST)
-    if not latest or not (workdir / latest["checkpoint"]).is_dir():
-        raise OutputError(f"nothing to resume in '{workdir}': no complete checkpoint; run again without --resume")
-    d = workdir / latest["checkpoint"]
+def latest_checkpoint(workdir: Path) -> Path | None:
+    """The complete checkpoint `latest.json` names, if there is one."""
+    latest = read_json(workdir / LATEST) if (workdir / LATEST).is_file() else None
+    d = workdir / latest["checkpoint"] if latest and latest.get("checkpoint") else None
+    return d if d is not None and d.is_dir() else None
+
+
+def load_checkpoint(workdir: Path, model, optimizer, scheduler) -> dict | None:
+    """Restore model, optimizer, scheduler and RNG from the latest checkpoint; return its training state, or None
+    when the run was stopped before its first checkpoint (it starts at step 0: nothing was lost)."""
+    d = latest_checkpoint(workdir)
+    if d is None:
+        log.warning("'%s' holds no complete checkpoint (the run was stopped before its first one): starting at "
+                    "step 0", workdir)
+        return None
     load_weights(model, d)
     optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
@@ -114,8 +125,10 @@ def prepare_workdir(out: Path, cfg: Any, force: bool, resume: bool) -> Path:
             raise OutputError(f"'{work}' was started with other options; resume with the same options or use --force")
         return work
     if work.exists():
-        if not force:
+        if not force and latest_checkpoint(work) is not None:
             raise OutputError(f"an interrupted run left '{work}'; pass --resume to continue or --force to start over")
+        if not force:  # stopped before its first checkpoint: there is nothing to continue, so this run starts over
+            log.warning("removed '%s': the run that left it stopped before its first checkpoint", work)
         shutil.rmtree(work)
     work.mkdir(parents=True)
     write_json(work / "run.json", {"config": dataclasses.asdict(cfg)})
