@@ -18,12 +18,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -437,5 +439,99 @@ def envelope(stage: str, src: Any, cfg: Any, out: str | os.PathLike | None, *, f
     with _claims_end_here():
         if out is not None:
             out = check_output(out, force, inputs)
-        yield Envelope(stage, out, force, inputs, dataclasses.asdict(cfg) if record is None else record,
-                       src if parent is _SRC else parent)
+        try:
+            yield Envelope(stage, out, force, inputs, dataclasses.asdict(cfg) if record is None else record,
+                           src if parent is _SRC else parent)
+        except BaseException as e:
+            _drop_unresumable_workdir(out)
+            if out is not None and (full := disk_full(e)) is not None:
+                raise OutputError(no_space_message(full, out, inputs)) from e
+            raise
+        finally:
+            _workdirs.pop(out, None)
+
+
+# --- a full disk: whichever library was writing, one line, nothing half-written ------------------------------------
+# Every stage writes inside its envelope, through a temporary sibling (removed on any error) or into a work dir beside
+# OUT (kept only when it holds a checkpoint to resume from), so by the time the error reaches the envelope nothing
+# half-written is left; what remains is telling the user what happened in terms of space.
+
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+         errno.EFBIG: "file size limit reached"}
+_FULL_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+              "File too large": errno.EFBIG}
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The out-of-space error behind `e`, if that is what `e` is: an OSError (ENOSPC, EDQUOT, or EFBIG from a file
+    size limit) anywhere in its chain, or a library's error that only carries the system's message (safetensors'
+    SafetensorError, torch's stream writer, a stage's own error quoting it)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return e
+        for text, code in _FULL_TEXT.items():
+            if text in str(e):
+                return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def no_space_message(e: OSError, out: Path, inputs: Iterable[Any]) -> str:
+    """"no space left on device writing 'OUT/file' (needed about N MB, M MB free)": what the output would have
+    needed is estimated by the size of what the stage read (an output is about as large as its input)."""
+    target = _shown(Path(e.filename), out) if isinstance(e.filename, str) else out
+    parent = out.resolve().parent
+    free = shutil.disk_usage(parent).free if parent.is_dir() else 0
+    needed = sum(_size(Path(name)) for name in strings_in(list(inputs)) if name.strip())
+    sizes, remedy = [f"needed about {_mb(needed)}" if needed else "", f"{_mb(free)} free"], "free some space"
+    if e.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        sizes[1] = f"files are limited to {_mb(limit)}" if limit != resource.RLIM_INFINITY else ""
+        remedy = "raise the limit (ulimit -f)"
+    detail = ", ".join(x for x in sizes if x)
+    return (f"{_FULL[e.errno]} writing '{target}'" + (f" ({detail})" if detail else "")
+            + f"; nothing was written: {remedy} or choose another output path")
+
+
+def _shown(path: Path, out: Path) -> Path:
+    """`path` as the user knows it: a file inside the temporary sibling is named as inside OUT."""
+    sibling = re.compile(re.escape(f".{out.name}.") + r"[a-z0-9_]{8}\.tmp")
+    for parent in path.parents:
+        if sibling.fullmatch(parent.name):
+            return out / path.relative_to(parent)
+    return path
+
+
+def _size(path: Path) -> int:
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _mb(n: int) -> str:
+    mb = n / 2**20
+    return f"{mb:,.0f} MB" if mb >= 10 else f"{mb:.1f} MB" if mb >= 0.1 else f"{mb:.2f} MB"
+
+
+# --- a work dir beside OUT (training checkpoints): kept after a failure only when there is something to resume ----
+
+_workdirs: dict[Path, tuple[Path, Callable[[Path], bool]]] = {}  # OUT -> (its work dir, whether that is resumable)
+
+
+def attach_workdir(out: Path, work: Path, resumable: Callable[[Path], bool]) -> None:
+    """Have the envelope of `out` remove `work` if the stage fails (or is interrupted) while `resumable(work)` is
+    false: a run stopped before its first checkpoint leaves nothing to resume, so nothing to keep."""
+    _workdirs[Path(out)] = (Path(work), resumable)
+
+
+def _drop_unresumable_workdir(out: Path | None) -> None:
+    work, resumable = _workdirs.pop(out, (None, None))
+    if work is not None and work.is_dir() and not resumable(work):
+        shutil.rmtree(work, ignore_errors=True)

@@ -5,6 +5,7 @@ traceback, and nothing half-written left behind."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -66,9 +67,9 @@ TERMINATED = [
     ("quantize-calibrating", "quantize {e} {o} --calib-data {d} --samples 32 --min-agreement 0",
      ".quantize.*/.owner", []),
     ("prune-claimed", "prune {m} {o} --calib-data {d} --heads 0.5", ".out.lock", []),
-    # training keeps OUT.partial for --resume, as on Ctrl-C; before its first checkpoint a plain rerun starts over
+    # before its first checkpoint a training run has nothing to resume: OUT.partial goes too (after one, it stays)
     ("train-before-first-checkpoint", "train {m} {d} {o} --max-steps 400 --save-every 1000 --eval-every 1000",
-     "out.partial/run.json", ["out.partial"]),
+     "out.partial/run.json", []),
 ]
 
 
@@ -82,11 +83,22 @@ def test_sigterm_mid_stage_is_ctrl_c(ws, tmp_path, name, template, at_work, kept
     assert proc.returncode == 143, (proc.returncode, err)
     _one_line(err, "interrupted (SIGTERM)")
     assert sorted(p.name for p in tmp_path.iterdir()) == kept  # no lock, no temporary sibling, no scratch dir
-    if kept:  # what stays is not a dead end: the plain rerun starts over
-        rerun = subprocess.run([*CLI, *_args(template.replace("400", "2"), ws, out)], capture_output=True, text=True,
-                               env=ENV, timeout=180)
-        assert rerun.returncode == 0, rerun.stderr
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("rerun", [[], ["--resume"]], ids=["plain", "resume"])
+def test_a_kill_9_before_the_first_checkpoint_is_no_dead_end(ws, tmp_path, rerun):
+    """Both reruns work: the plain one starts over (there is nothing to lose), --resume starts at step 0."""
+    train = "train {m} {d} {o} --max-steps 400 --save-every 1000 --eval-every 1000"
+    proc = _start(_args(train, ws, tmp_path / "out"))
+    _wait_for(tmp_path, "out.partial/run.json", proc)
+    proc.kill()
+    proc.wait()
+    assert (tmp_path / "out.partial").is_dir()
+    done = subprocess.run([*CLI, *_args(train.replace("400", "2"), ws, tmp_path / "out"), *rerun],
+                          capture_output=True, text=True, env=ENV, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "before its first checkpoint" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_a_killed_quantize_leaves_scratch_that_the_next_run_beside_it_removes(ws, tmp_path):
@@ -119,3 +131,53 @@ def test_a_live_runs_scratch_is_not_touched(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# --- 2. a full disk: one line, nothing half-written -----------------------------------------------------------------
+
+def _file_size_limit(limit: int):
+    """A `preexec_fn` that gives the child a file size limit: a write past it fails with EFBIG, as a full disk fails
+    with ENOSPC (Python ignores SIGXFSZ, so the write returns the error instead of killing the process)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 300 kB tmpfs (where this machine lets the tests mount one: root in a container usually can)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+# (id, command; the output of each is at most a few hundred kB: 40 kB of file size or 300 kB of disk stop it)
+WRITERS = [
+    ("export", "export {m} {o}"),
+    ("quantize-dynamic", "quantize {e} {o} --dynamic --min-agreement 0"),
+    ("train", "train {m} {d} {o} --max-steps 2 --eval-every 2"),
+    ("prune", "prune {m} {o} --calib-data {d} --heads 0.5"),
+]
+
+
+@pytest.mark.parametrize("name, template", WRITERS, ids=[w[0] for w in WRITERS])
+def test_a_file_size_limit_is_one_line_and_leaves_nothing(ws, tmp_path, name, template):
+    out = tmp_path / "out"
+    done = subprocess.run([*CLI, *_args(template, ws, out)], capture_output=True, text=True, env=ENV, timeout=180,
+                          preexec_fn=_file_size_limit(40_000))
+    assert done.returncode == 2, done.stderr
+    line = _one_line(done.stderr, f"file size limit reached writing '{out}")
+    assert "files are limited to 0.04 MB); nothing was written: raise the limit (ulimit -f)" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, template", WRITERS[:3], ids=[w[0] for w in WRITERS[:3]])
+def test_a_full_disk_is_one_line_and_leaves_nothing(ws, small_disk, name, template):
+    out = small_disk / "out"
+    done = subprocess.run([*CLI, *_args(template, ws, out)], capture_output=True, text=True, env=ENV, timeout=180)
+    assert done.returncode == 2, done.stderr
+    line = _one_line(done.stderr, f"no space left on device writing '{out}")
+    assert "MB free); nothing was written: free some space" in line and "needed about" in line, line
+    assert sorted(p.name for p in small_disk.iterdir()) == []
