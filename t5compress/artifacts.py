@@ -212,6 +212,16 @@ def _release(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def claim(tree: str | os.PathLike) -> Iterator[Path]:
+    """Hold the claim on `tree` (a directory a whole run writes, such as a recipe's OUT) for the block: another run
+    claiming it, or writing it as one stage's output, is refused in one line. Re-entrant within the process."""
+    tree = Path(tree)
+    with _claims_end_here():
+        _lock(tree)
+        yield tree
+
+
+@contextlib.contextmanager
 def _claims_end_here() -> Iterator[None]:
     """Release the claims taken inside the block when it ends, rather than at process exit."""
     before = set(_held)

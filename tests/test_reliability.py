@@ -4,6 +4,7 @@ traceback, and nothing half-written left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -181,3 +182,54 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(ws, small_disk, name, templa
     line = _one_line(done.stderr, f"no space left on device writing '{out}")
     assert "MB free); nothing was written: free some space" in line and "needed about" in line, line
     assert sorted(p.name for p in small_disk.iterdir()) == []
+
+
+# --- 3. one run of a recipe at a time -------------------------------------------------------------------------------
+
+def _chain(path: Path, ws: Path, out: Path) -> Path:
+    path.write_text(json.dumps({"name": "r", "out": str(out), "stages": {
+        "model": {"stage": "load", "model": str(ws / "model")},
+        "onnx": {"stage": "export"},
+        "int8": {"stage": "quantize", "mode": "dynamic", "min_agreement": 0}}}))
+    return path
+
+
+def test_a_second_run_of_a_running_recipe_is_refused_before_it_plans(ws, tmp_path):
+    recipe = _chain(tmp_path / "r.yaml", ws, tmp_path / "out")
+    first = _start(["run", str(recipe)])
+    _wait_for(tmp_path, ".out.lock", first)  # the first run holds the whole of OUT now
+    second = subprocess.run([*CLI, "run", str(recipe), "--force"], capture_output=True, text=True, env=ENV,
+                            timeout=120)
+    _, err1 = first.communicate(timeout=180)
+    assert first.returncode == 0, err1
+    assert second.returncode == 2 and second.stdout == "", second  # refused before the plan is printed
+    _one_line(second.stderr, f"output '{tmp_path / 'out'}' is being written by another t5compress run (pid "
+                             f"{first.pid})")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.yaml"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["int8", "model", "onnx", "recipe.json"]
+
+
+# --- 6. smaller ones ------------------------------------------------------------------------------------------------
+
+# (id, argv with {r} a recipe whose out is {file}, {dir} a directory; the text of the one line)
+SMALL = [
+    ("run-a-directory", "run {dir}", "recipe '{dir}' is a directory; give the recipe's YAML file"),
+    ("recipe-out-a-file-dry-run", "run {r} --dry-run", "r.yaml: out: '{file}' exists and is not a directory"),
+    ("recipe-out-a-file", "run {r}", "r.yaml: out: '{file}' exists and is not a directory"),
+    ("recipe-out-option-a-file", "run {r} --out {file}", "--out: '{file}' exists and is not a directory"),
+    ("generate-endless-input", "generate {e} --input /dev/zero", "/dev/zero:1: a line longer than"),
+]
+
+
+@pytest.mark.parametrize("name, argv, needle", SMALL, ids=[s[0] for s in SMALL])
+def test_smaller_ones_are_one_line(ws, tmp_path, name, argv, needle):
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "dir").mkdir()
+    _chain(tmp_path / "r.yaml", ws, tmp_path / "file")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    values = {"r": tmp_path / "r.yaml", "file": tmp_path / "file", "dir": tmp_path / "dir", "e": ws / "onnx"}
+    done = subprocess.run([*CLI, *argv.format(**values).split()], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+    assert done.returncode == 2, done
+    _one_line(done.stderr, needle.format(**values))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "file").read_text() == "mine"

@@ -73,7 +73,10 @@ def parse(doc: dict, source: str, out: str | Path | None = None, overrides: dict
         if key not in doc:
             raise RecipeError(f"{source}: {key}: required")
     name = schema.coerce(f"{source}: name", doc["name"], str)
+    where = "--out" if out is not None else f"{source}: out"
     out = Path(out if out is not None else schema.coerce(f"{source}: out", doc["out"], str))
+    if out.exists() and not out.is_dir():  # each stage writes OUT/<stage id>: OUT must be a directory or nothing
+        raise RecipeError(f"{where}: '{out}' exists and is not a directory; choose another output path")
     raw = doc["stages"]
     if not isinstance(raw, dict) or not raw:
         raise RecipeError(f"{source}: stages: give a mapping of stage id to settings, in chain order ({CHAIN})")
