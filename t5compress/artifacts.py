@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from t5compress import __version__
+from t5compress.config import INPUT_FIELDS
 from t5compress.errors import OutputError
 
 META_FILE = "t5compress.json"
@@ -93,13 +94,16 @@ def refuse_overlap(out: str | os.PathLike, inputs: Iterable[Any]) -> None:
 
 
 def strings_in(obj: Any) -> list[str]:
-    """Every string in `obj`: paths, lists and (nested) config dataclasses."""
+    """Every string in `obj` that may name a path: paths, strings, lists, dicts, and the values of the INPUT_FIELDS of
+    (nested) config dataclasses (a config's other strings are choices, such as `weight_range: full`)."""
     if isinstance(obj, os.PathLike):
         return [os.fspath(obj)]
     if isinstance(obj, str):
         return [obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name in INPUT_FIELDS]
+        nested = [v for f in dataclasses.fields(obj) if dataclasses.is_dataclass(v := getattr(obj, f.name))]
+        obj = values + nested
     if isinstance(obj, dict):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple, set)):

@@ -233,3 +233,22 @@ def test_smaller_ones_are_one_line(ws, tmp_path, name, argv, needle):
     assert done.returncode == 2, done
     _one_line(done.stderr, needle.format(**values))
     assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "file").read_text() == "mine"
+
+
+# --- 5. option values are not input paths ---------------------------------------------------------------------------
+
+# (id, command run in a folder holding empty dirs named like option values; what it writes there)
+CHOICES = [
+    ("quantize-weight-range-full", "quantize {e} full/q --dynamic --min-agreement 0", "full/q"),  # --weight-range
+    ("train-precision-auto", "train {m} {d} auto/t --max-steps 1", "auto/t"),  # --precision, --metric ...
+]
+
+
+@pytest.mark.parametrize("name, template, out", CHOICES, ids=[c[0] for c in CHOICES])
+def test_an_option_value_that_names_a_folder_is_not_an_input(ws, tmp_path, name, template, out):
+    for d in ("full", "auto"):
+        (tmp_path / d).mkdir()
+    done = subprocess.run([*CLI, *_args(template, ws, Path(out))], capture_output=True, text=True, env=ENV,
+                          timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / out / "report.json").is_file()
