@@ -50,10 +50,11 @@ def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[Any] = ()
     when another run is writing it, or when it exists without `force`; then remove what killed runs left beside it.
 
     `inputs` are everything the stage reads (model dirs, data and calibration files, configs: any string in them that
-    names an existing path counts). The claim is a lock on `out` held until `staged_output` ends, the stage returns or
-    raises (`envelope`), or the process exits, so two runs writing one `out` cannot both succeed.
+    names an existing path counts). A symbolic link OUT means its target (see `_followed`), which is returned. The
+    claim is a lock on `out` held until `staged_output` ends, the stage returns or raises (`envelope`), or the process
+    exits, so two runs writing one `out` cannot both succeed.
     """
-    out = Path(out)
+    out = _followed(Path(out))
     refuse_overlap(out, inputs)
     if out.exists() and not out.is_dir():
         raise OutputError(f"output '{out}' exists and is not a directory; remove it or choose another path")
@@ -66,6 +67,19 @@ def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[Any] = ()
         raise OutputError(f"output '{out}' already exists; pass --force to replace it")
     _remove_stale_temporaries(out)
     return out
+
+
+def _followed(out: Path) -> Path:
+    """The directory a symbolic link OUT names: the run claims, stages beside and replaces the link's target (on the
+    target's file system), and the link keeps naming the result. A link to nothing is refused: it is often a volume
+    that is not mounted, and writing it would fill the disk beneath the mount point."""
+    if not out.is_symlink():
+        return out
+    target = Path(os.path.realpath(out))
+    if not target.exists():
+        raise OutputError(f"output '{out}' is a symbolic link to '{os.readlink(out)}', which does not exist (a volume "
+                          "not mounted?); create the target directory or give its path as the output")
+    return target
 
 
 def refuse_overlap(out: str | os.PathLike, inputs: Iterable[Any]) -> None:

@@ -142,16 +142,26 @@ def _file_size_limit(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
+def _tmpfs(path: Path, size: str):
+    """A tmpfs of `size` at `path` (where this machine lets the tests mount one: root in a container usually can)."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 300 kB tmpfs (where this machine lets the tests mount one: root in a container usually can)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    """300 kB of disk: less than any stage below writes."""
+    yield from _tmpfs(tmp_path / "disk", "300k")
+
+
+@pytest.fixture
+def other_disk(tmp_path):
+    """Another file system than tmp_path's, with room."""
+    yield from _tmpfs(tmp_path / "other", "50m")
 
 
 # (id, command; the output of each is at most a few hundred kB: 40 kB of file size or 300 kB of disk stop it)
@@ -252,3 +262,34 @@ def test_an_option_value_that_names_a_folder_is_not_an_input(ws, tmp_path, name,
                           timeout=180, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / out / "report.json").is_file()
+
+
+# --- 7. a symbolic link as OUT means its target; a link to nothing is refused ---------------------------------------
+
+
+def test_a_link_to_a_directory_on_another_file_system_is_written_through(ws, tmp_path, other_disk):
+    """The run claims, stages beside and replaces the link's target, so the rename stays on one file system."""
+    (other_disk / "target").mkdir()
+    link = tmp_path / "out"
+    link.symlink_to(other_disk / "target")
+    refused = subprocess.run([*CLI, *_args("export {m} {o}", ws, link)], capture_output=True, text=True, env=ENV,
+                             timeout=120)
+    assert refused.returncode == 2
+    _one_line(refused.stderr, f"output '{other_disk / 'target'}' already exists; pass --force")
+    done = subprocess.run([*CLI, *_args("export {m} {o} --force", ws, link)], capture_output=True, text=True,
+                          env=ENV, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and (link / "report.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "out"]
+    assert sorted(p.name for p in other_disk.iterdir()) == ["target"]  # no lock, no temporary left beside it
+
+
+def test_a_link_to_nothing_is_refused_before_any_work(ws, tmp_path):
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "not-mounted" / "run1")
+    done = subprocess.run([*CLI, *_args("export {m} {o}", ws, link)], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+    assert done.returncode == 2
+    _one_line(done.stderr, f"output '{link}' is a symbolic link to '{tmp_path / 'not-mounted' / 'run1'}', which does "
+                           "not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and link.is_symlink()
