@@ -10,6 +10,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +85,41 @@ def test_sigterm_mid_stage_is_ctrl_c(ws, tmp_path, name, template, at_work, kept
     assert proc.returncode == 143, (proc.returncode, err)
     _one_line(err, "interrupted (SIGTERM)")
     assert sorted(p.name for p in tmp_path.iterdir()) == kept  # no lock, no temporary sibling, no scratch dir
+    assert _processes_naming(tmp_path) == []  # no worker left running
+
+
+def test_sigterm_mid_bench_ends_its_worker_too(ws, tmp_path):
+    """SIGTERM reaches the bench only (Ctrl-C reaches its worker too): the worker it was measuring with goes as well,
+    rather than measuring on, orphaned, into a removed directory."""
+    proc = _start(["--progress", "lines", "--progress-every", "0", *_args("bench {e} --out {o} --data {d}", ws,
+                                                                          tmp_path / "out")])
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    while not any("cell" in line for line in lines):  # the worker is measuring
+        assert proc.poll() is None and time.monotonic() < deadline, lines
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    assert proc.returncode == 143, lines
+    _one_line("".join(line for line in lines if not line.startswith("[bench]")), "interrupted (SIGTERM)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert _processes_naming(tmp_path) == []
+
+
+def _processes_naming(path: Path) -> list[str]:
+    """The command lines of running processes that name `path` (a worker the run started, say)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in argv:
+            found.append(argv)
+    return found
 
 
 @pytest.mark.parametrize("rerun", [[], ["--resume"]], ids=["plain", "resume"])
