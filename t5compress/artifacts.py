@@ -18,12 +18,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from t5compress import __version__
+from t5compress.config import INPUT_FIELDS
 from t5compress.errors import OutputError
 
 META_FILE = "t5compress.json"
@@ -47,10 +50,11 @@ def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[Any] = ()
     when another run is writing it, or when it exists without `force`; then remove what killed runs left beside it.
 
     `inputs` are everything the stage reads (model dirs, data and calibration files, configs: any string in them that
-    names an existing path counts). The claim is a lock on `out` held until `staged_output` ends, the stage returns or
-    raises (`envelope`), or the process exits, so two runs writing one `out` cannot both succeed.
+    names an existing path counts). A symbolic link OUT means its target (see `_followed`), which is returned. The
+    claim is a lock on `out` held until `staged_output` ends, the stage returns or raises (`envelope`), or the process
+    exits, so two runs writing one `out` cannot both succeed.
     """
-    out = Path(out)
+    out = _followed(Path(out))
     refuse_overlap(out, inputs)
     if out.exists() and not out.is_dir():
         raise OutputError(f"output '{out}' exists and is not a directory; remove it or choose another path")
@@ -63,6 +67,19 @@ def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[Any] = ()
         raise OutputError(f"output '{out}' already exists; pass --force to replace it")
     _remove_stale_temporaries(out)
     return out
+
+
+def _followed(out: Path) -> Path:
+    """The directory a symbolic link OUT names: the run claims, stages beside and replaces the link's target (on the
+    target's file system), and the link keeps naming the result. A link to nothing is refused: it is often a volume
+    that is not mounted, and writing it would fill the disk beneath the mount point."""
+    if not out.is_symlink():
+        return out
+    target = Path(os.path.realpath(out))
+    if not target.exists():
+        raise OutputError(f"output '{out}' is a symbolic link to '{os.readlink(out)}', which does not exist (a volume "
+                          "not mounted?); create the target directory or give its path as the output")
+    return target
 
 
 def refuse_overlap(out: str | os.PathLike, inputs: Iterable[Any]) -> None:
@@ -91,13 +108,16 @@ def refuse_overlap(out: str | os.PathLike, inputs: Iterable[Any]) -> None:
 
 
 def strings_in(obj: Any) -> list[str]:
-    """Every string in `obj`: paths, lists and (nested) config dataclasses."""
+    """Every string in `obj` that may name a path: paths, strings, lists, dicts, and the values of the INPUT_FIELDS of
+    (nested) config dataclasses (a config's other strings are choices, such as `weight_range: full`)."""
     if isinstance(obj, os.PathLike):
         return [os.fspath(obj)]
     if isinstance(obj, str):
         return [obj]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        obj = dataclasses.asdict(obj)
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name in INPUT_FIELDS]
+        nested = [v for f in dataclasses.fields(obj) if dataclasses.is_dataclass(v := getattr(obj, f.name))]
+        obj = values + nested
     if isinstance(obj, dict):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple, set)):
@@ -210,6 +230,16 @@ def _release(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def claim(tree: str | os.PathLike) -> Iterator[Path]:
+    """Hold the claim on `tree` (a directory a whole run writes, such as a recipe's OUT) for the block: another run
+    claiming it, or writing it as one stage's output, is refused in one line. Re-entrant within the process."""
+    tree = Path(tree)
+    with _claims_end_here():
+        _lock(tree)
+        yield tree
+
+
+@contextlib.contextmanager
 def _claims_end_here() -> Iterator[None]:
     """Release the claims taken inside the block when it ends, rather than at process exit."""
     before = set(_held)
@@ -238,6 +268,56 @@ def _remove_stale_temporaries(out: Path) -> None:
     if stale:
         log.warning("removed %d temporary dir(s) left beside '%s' by an interrupted run: %s", len(stale), out,
                     ", ".join(p.name for p in stale))
+
+
+# --- scratch dirs: owned by a live process, or removable -------------------------------------------------------------
+# A stage's scratch (quantize's augmented calibration graphs: gigabytes at t5-base) lives beside its output, on the
+# same file system. A lock inside names its owner; a later run removes every scratch dir whose lock nobody holds, the
+# debris of a kill -9 (Ctrl-C and SIGTERM unwind through the `with` and remove their own).
+
+SCRATCH_OWNER = ".owner"
+
+
+@contextlib.contextmanager
+def scratch_dir(near: str | os.PathLike, prefix: str) -> Iterator[Path]:
+    """A new folder `near/PREFIXXXXXXXXX`, removed when the block ends; first removes the `prefix` folders there
+    whose owner died."""
+    near = Path(near)
+    _remove_orphaned_scratch(near, prefix)
+    # made under another name and renamed once its owner holds the lock: a folder of the pattern always has one
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}new.", dir=near))
+    fd = os.open(path / SCRATCH_OWNER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else can hold it
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        path = path.rename(near / f"{prefix}{path.name[-8:]}")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # still locked while it goes, so no other run touches it
+        os.close(fd)
+
+
+def _remove_orphaned_scratch(near: Path, prefix: str) -> None:
+    pattern = re.compile(re.escape(prefix) + r"[a-z0-9_]{8}")
+    removed = []
+    for p in near.iterdir() if near.is_dir() else ():
+        if not (pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink()):
+            continue
+        try:  # no owner file: made by an older version, which may still be running; not ours to judge
+            fd = os.open(p / SCRATCH_OWNER, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its owner is alive
+        shutil.rmtree(p, ignore_errors=True)
+        os.close(fd)
+        removed.append(p.name)
+    if removed:
+        log.warning("removed %d scratch dir(s) left in '%s' by a killed run: %s", len(removed), near,
+                    ", ".join(removed))
 
 
 def _umask() -> int:
@@ -387,5 +467,99 @@ def envelope(stage: str, src: Any, cfg: Any, out: str | os.PathLike | None, *, f
     with _claims_end_here():
         if out is not None:
             out = check_output(out, force, inputs)
-        yield Envelope(stage, out, force, inputs, dataclasses.asdict(cfg) if record is None else record,
-                       src if parent is _SRC else parent)
+        try:
+            yield Envelope(stage, out, force, inputs, dataclasses.asdict(cfg) if record is None else record,
+                           src if parent is _SRC else parent)
+        except BaseException as e:
+            _drop_unresumable_workdir(out)
+            if out is not None and (full := disk_full(e)) is not None:
+                raise OutputError(no_space_message(full, out, inputs)) from e
+            raise
+        finally:
+            _workdirs.pop(out, None)
+
+
+# --- a full disk: whichever library was writing, one line, nothing half-written ------------------------------------
+# Every stage writes inside its envelope, through a temporary sibling (removed on any error) or into a work dir beside
+# OUT (kept only when it holds a checkpoint to resume from), so by the time the error reaches the envelope nothing
+# half-written is left; what remains is telling the user what happened in terms of space.
+
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+         errno.EFBIG: "file size limit reached"}
+_FULL_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+              "File too large": errno.EFBIG}
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The out-of-space error behind `e`, if that is what `e` is: an OSError (ENOSPC, EDQUOT, or EFBIG from a file
+    size limit) anywhere in its chain, or a library's error that only carries the system's message (safetensors'
+    SafetensorError, torch's stream writer, a stage's own error quoting it)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return e
+        for text, code in _FULL_TEXT.items():
+            if text in str(e):
+                return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def no_space_message(e: OSError, out: Path, inputs: Iterable[Any]) -> str:
+    """"no space left on device writing 'OUT/file' (needed about N MB, M MB free)": what the output would have
+    needed is estimated by the size of what the stage read (an output is about as large as its input)."""
+    target = _shown(Path(e.filename), out) if isinstance(e.filename, str) else out
+    parent = out.resolve().parent
+    free = shutil.disk_usage(parent).free if parent.is_dir() else 0
+    needed = sum(_size(Path(name)) for name in strings_in(list(inputs)) if name.strip())
+    sizes, remedy = [f"needed about {_mb(needed)}" if needed else "", f"{_mb(free)} free"], "free some space"
+    if e.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        sizes[1] = f"files are limited to {_mb(limit)}" if limit != resource.RLIM_INFINITY else ""
+        remedy = "raise the limit (ulimit -f)"
+    detail = ", ".join(x for x in sizes if x)
+    return (f"{_FULL[e.errno]} writing '{target}'" + (f" ({detail})" if detail else "")
+            + f"; nothing was written: {remedy} or choose another output path")
+
+
+def _shown(path: Path, out: Path) -> Path:
+    """`path` as the user knows it: a file inside the temporary sibling is named as inside OUT."""
+    sibling = re.compile(re.escape(f".{out.name}.") + r"[a-z0-9_]{8}\.tmp")
+    for parent in path.parents:
+        if sibling.fullmatch(parent.name):
+            return out / path.relative_to(parent)
+    return path
+
+
+def _size(path: Path) -> int:
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _mb(n: int) -> str:
+    mb = n / 2**20
+    return f"{mb:,.0f} MB" if mb >= 10 else f"{mb:.1f} MB" if mb >= 0.1 else f"{mb:.2f} MB"
+
+
+# --- a work dir beside OUT (training checkpoints): kept after a failure only when there is something to resume ----
+
+_workdirs: dict[Path, tuple[Path, Callable[[Path], bool]]] = {}  # OUT -> (its work dir, whether that is resumable)
+
+
+def attach_workdir(out: Path, work: Path, resumable: Callable[[Path], bool]) -> None:
+    """Have the envelope of `out` remove `work` if the stage fails (or is interrupted) while `resumable(work)` is
+    false: a run stopped before its first checkpoint leaves nothing to resume, so nothing to keep."""
+    _workdirs[Path(out)] = (Path(work), resumable)
+
+
+def _drop_unresumable_workdir(out: Path | None) -> None:
+    work, resumable = _workdirs.pop(out, (None, None))
+    if work is not None and work.is_dir() and not resumable(work):
+        shutil.rmtree(work, ignore_errors=True)

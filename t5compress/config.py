@@ -7,6 +7,12 @@ from typing import Any
 
 from t5compress.errors import ConfigError
 
+# The config fields whose value names something a stage reads (a file, a directory, a program): only these are
+# inputs to the output-overlap check and to a recipe's checks, never a choice such as `weight_range: full` that
+# happens to spell the name of a folder in the current directory.
+INPUT_FIELDS = ("train", "eval", "text", "train_data", "eval_data", "calib_data", "data", "corpus", "teacher", "vocab",
+                "vocab_keep", "model", "peer_python", "tritonserver")
+
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:  # noqa: A002
     """A dataclass field that carries its one-line help text in metadata."""

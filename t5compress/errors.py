@@ -31,6 +31,15 @@ class QuantizeError(T5CompressError):
     """Quantization failed, or its result is too far from the fp32 model to ship."""
 
 
+class Terminated(KeyboardInterrupt):
+    """A termination signal (SIGTERM from `kill`, Docker, Kubernetes, systemd; SIGHUP), raised where the program is
+    so that it unwinds exactly as Ctrl-C does: every claim, temporary sibling and scratch dir is removed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def first_line(e: BaseException) -> str:
     """The first non-empty line of an exception's message (library errors are often pages long)."""
     lines = [line for line in str(e).strip().splitlines() if line.strip()]

@@ -10,6 +10,7 @@ from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
 from t5compress.errors import ModelError, first_line
 from t5compress.model.weights import weight_headers
 from t5compress.names import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from t5compress.runtime.fit import check_export
 from t5compress.runtime.sessions import TORCHSCRIPT_WARNING, check_onnx, check_torchscript
 
 _ARCH_KEYS = ("model_type", "num_layers", "num_decoder_layers", "d_model", "d_ff", "d_kv", "num_heads",
@@ -43,6 +44,7 @@ def _check_graphs(p: Path, kind: str) -> None:
     if kind == "onnx export":
         for f in sorted(p.glob(f"*{ONNX_SUFFIX}")):
             check_onnx(f)
+        check_export(p)  # and the graphs belong together
     elif kind == "torchscript export":
         for f in sorted(p.glob(f"*{TORCHSCRIPT_SUFFIX}")):
             check_torchscript(f)

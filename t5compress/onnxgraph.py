@@ -4,6 +4,7 @@ of the way of such a pass without parsing them. A leaf: it imports no other part
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -113,6 +114,53 @@ def weightless(data, location: str, min_bytes: int = 1024) -> bytes:
         graph.append(bytes(data[last:end]))
         out.append(_message(7, b"".join(graph)))
     return b"".join(out)
+
+
+def declared_io(path) -> dict[str, tuple[int | str, ...]]:
+    """The declared shape of each graph input and output of the ONNX file at `path` (an int per fixed axis, the name
+    of a symbolic one), read from the wire format: the nodes and weights are skipped, not parsed. A ValueError says
+    why when the file is cut short or is no ONNX model."""
+    import mmap
+
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            raise ValueError("the file is empty")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            try:
+                return _declared_io(data)
+            except IndexError:  # a varint runs past the end of the file
+                raise ValueError("it is cut short") from None
+
+
+def _declared_io(data) -> dict[str, tuple[int | str, ...]]:
+    shapes: dict[str, tuple[int | str, ...]] = {}
+    for field, start, end, _ in _fields(data, 0, len(data)):
+        if end > len(data):
+            raise ValueError(f"it is cut short ({len(data):,} bytes, a field runs to byte {end:,})")
+        if field == 7:  # ModelProto.graph: its input (11) and output (12) ValueInfoProtos
+            for s, e in (*_payloads(data, start, end, 11), *_payloads(data, start, end, 12)):
+                name = next((bytes(data[a:b]).decode(errors="replace") for a, b in _payloads(data, s, e, 1)), "")
+                dims = [_dim(data, a, b) for t in _payloads(data, s, e, 2) for tensor in _payloads(data, *t, 1)
+                        for shape in _payloads(data, *tensor, 2) for a, b in _payloads(data, *shape, 1)]
+                shapes[name] = tuple(dims)
+    if not shapes:
+        raise ValueError("it holds no complete graph")
+    return shapes
+
+
+def _payloads(data, start: int, end: int, field: int) -> list[tuple[int, int]]:
+    """(start, end) of the payload of each length-delimited `field` of the message in data[start:end]."""
+    return [(s, e) for f, s, e, b in _fields(data, start, end) if f == field and s != b]
+
+
+def _dim(data, start: int, end: int) -> int | str:
+    """A TensorShapeProto.Dimension: its dim_value (1, a varint) or dim_param (2, a string)."""
+    for f, s, e, begin in _fields(data, start, end):
+        if f == 1:
+            return _read_varint(data, _read_varint(data, begin)[1])[0]
+        if f == 2:
+            return bytes(data[s:e]).decode(errors="replace")
+    return "?"
 
 
 def _fields(data, start: int, end: int):

@@ -17,6 +17,13 @@ from t5compress.errors import DataError
 
 BOM = b"\xef\xbb\xbf"
 STDIN = "<stdin>"
+MAX_LINE = 64 << 20  # bytes in one line of text: far more than any model reads as one input
+
+
+def _bounded(stream: BinaryIO) -> Iterator[bytes]:
+    """The lines of `stream`, each read up to MAX_LINE + 1 bytes (so an endless one stops there)."""
+    while raw := stream.readline(MAX_LINE + 1):
+        yield raw
 
 
 def decode(data: bytes, where: str, offset: int = 0) -> str:
@@ -40,10 +47,14 @@ def _open(path: Path, what: str) -> BinaryIO:
         raise DataError(f"cannot read {what} '{path}': {why}") from None
 
 
-def numbered_lines(raw_lines: Iterable[bytes], name: str) -> Iterator[tuple[int, str]]:
-    """(line number, text without its line ending) of a byte stream, every line decoded as UTF-8."""
+def numbered_lines(raw_lines: Iterable[bytes] | BinaryIO, name: str) -> Iterator[tuple[int, str]]:
+    """(line number, text without its line ending) of a byte stream, every line decoded as UTF-8; a line longer than
+    MAX_LINE is a DataError (what a file without line breaks, such as /dev/zero, would otherwise become: memory
+    exhausted by one line)."""
     offset = 0
-    for lineno, raw in enumerate(raw_lines, 1):
+    for lineno, raw in enumerate(_bounded(raw_lines) if hasattr(raw_lines, "readline") else raw_lines, 1):
+        if len(raw) > MAX_LINE:
+            raise DataError(f"{name}:{lineno}: a line longer than {MAX_LINE >> 20} MB; give text, one input per line")
         skip = len(BOM) if lineno == 1 and raw.startswith(BOM) else 0
         yield lineno, decode(raw[skip:], f"{name}:{lineno}", offset + skip).rstrip("\r\n")
         offset += len(raw)

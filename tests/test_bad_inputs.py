@@ -85,6 +85,17 @@ def d(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
         p[name] = _copy(src, base / name)
         config = json.loads((p[name] / "config.json").read_text())
         (p[name] / "config.json").write_text(json.dumps({**config, **architecture("t5-xxl")}))
+    # 11. files that do not belong together: a decoder-with-past of another model's shape (2 heads of 16, not 4 of
+    # 8) beside the other graphs; a config.json whose d_model is twice what the weights hold
+    from tests.conftest import build_tiny_t5
+
+    other = build_tiny_t5(base / "other-model", seed=3, num_heads=2, d_kv=16)
+    run(other, ExportConfig(), base / "other-export")
+    p["mixed"] = _copy(p["export"], base / "mixed")
+    shutil.copy(base / "other-export" / "decoder_with_past_model.onnx", p["mixed"])
+    p["wide_config"] = _copy(tiny_model_dir, base / "wide-config")
+    config = json.loads((p["wide_config"] / "config.json").read_text())
+    (p["wide_config"] / "config.json").write_text(json.dumps({**config, "d_model": 2 * config["d_model"]}))
     p["data"] = base / "train.jsonl"
     p["data"].write_text("".join(json.dumps({"source": f"s{i}", "target": f"t{i}"}) + "\n" for i in range(20)))
     p["latin1"] = base / "latin1.txt"
@@ -184,6 +195,17 @@ CASES = [
     ("info-cut-past", "info {cut_past}", DAMAGED_ONNX.format("decoder_with_past_model.onnx", "{cut_past}"), None),
     ("info-cut-pt", "info {cut_pt}", "not a TorchScript file", None),
     ("info-bad-config", "info {bad_config}", "config.json in '{bad_config}' is damaged", None),
+    # 11. files that do not belong together, wherever an export or a model dir is read
+    ("triton-cut-past", "triton {cut_past} {out}", DAMAGED_ONNX.format("decoder_with_past_model.onnx", "{cut_past}"),
+     None),
+    *((f"{cmd.split()[0]}-mixed-graphs", cmd, "the files of '{mixed}' do not belong together: self-attention heads "
+       "of decoder layer 0: 2 in decoder_with_past_model.onnx (past_key_values.0.decoder.key), 4 in config.json", None)
+      for cmd in ("triton {mixed} {out}", "generate {mixed} hello", "bench {mixed} -o {out}", "info {mixed}",
+                  "quantize {mixed} {out} --dynamic")),
+    *((f"{cmd.split()[0]}-config-not-the-weights", cmd, "config.json in '{wide_config}' does not match its weights: "
+       "d_model: 64 in config.json, 32 in the weights", None)
+      for cmd in ("info {wide_config}", "export {wide_config} {out}",
+                  "train {wide_config} {data} {out} --max-steps 1")),
 ]
 
 

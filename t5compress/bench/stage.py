@@ -8,6 +8,7 @@ OUT/peers/ (the peers prepared from the first PyTorch variant) and OUT/logs/ (ea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -225,9 +226,9 @@ def _spawn(python: str, args: list[str], tmp: Path, name: str, timeout_s: int, o
     root = str(Path(t5compress.__file__).resolve().parent.parent)  # this t5compress, also under another venv
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with open(tmp / "logs" / f"{name}.log", "w") as logf:
-        proc = subprocess.Popen([python, "-m", WORKER, *args, str(result_file)], stdout=subprocess.PIPE,
-                                stderr=logf, stdin=subprocess.DEVNULL, text=True, env=env)
+    with open(tmp / "logs" / f"{name}.log", "w") as logf, _killed_on_error(subprocess.Popen(
+            [python, "-m", WORKER, *args, str(result_file)], stdout=subprocess.PIPE, stderr=logf,
+            stdin=subprocess.DEVNULL, text=True, env=env)) as proc:
         lines: queue.Queue = queue.Queue()
         reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
         reader.start()
@@ -251,6 +252,18 @@ def _spawn(python: str, args: list[str], tmp: Path, name: str, timeout_s: int, o
     result = json.loads(result_file.read_text()) if result_file.is_file() and not timed_out else None
     result_file.unlink(missing_ok=True)
     return rc, timed_out, result
+
+
+@contextlib.contextmanager
+def _killed_on_error(proc: subprocess.Popen):
+    """`proc`, killed if the block ends in an error: `kill PID` (SIGTERM) reaches this process only, where Ctrl-C
+    reaches the worker too, and a worker left running would measure on for minutes into a removed directory."""
+    try:
+        yield proc
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _last_error(log_file: Path) -> str:

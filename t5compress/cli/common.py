@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import re
+import signal
 import sys
+import threading
 import typing
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from t5compress.config import default_of
-from t5compress.errors import ConfigError, T5CompressError
+from t5compress.errors import ConfigError, T5CompressError, Terminated
 
 app = typer.Typer(
     name="t5compress",
@@ -65,22 +68,58 @@ def _root(
 
 
 def command(fn):
-    """Register `fn` as a CLI command behind the error boundary: one red line and a non-zero exit, no traceback."""
+    """Register `fn` as a CLI command behind the error boundary: one red line and a non-zero exit, no traceback.
+
+    A termination signal takes Ctrl-C's path (see `terminations_interrupt`): "interrupted (SIGTERM)" and exit
+    128 + the signal's number (143), as a shell reports a process that SIGTERM ended; Ctrl-C exits 130.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with terminations_interrupt():
+                return fn(*args, **kwargs)
         except T5CompressError as e:
             if _state["debug"]:
                 raise
             _print_error(str(e))
             raise typer.Exit(code=e.exit_code) from None
+        except Terminated as e:
+            err_console.print(f"[red]interrupted[/red] ({signal.Signals(e.signum).name})")
+            raise typer.Exit(code=128 + e.signum) from None
         except KeyboardInterrupt:
             err_console.print("[red]interrupted[/red]")
             raise typer.Exit(code=130) from None
 
     return app.command()(wrapper)
+
+
+TERMINATIONS = (signal.SIGTERM, signal.SIGHUP)  # `kill`, Docker, Kubernetes, systemd, CI; a closed terminal
+
+
+@contextlib.contextmanager
+def terminations_interrupt():
+    """While the block runs, a termination signal raises `Terminated` (a KeyboardInterrupt) where the program is, so
+    every stage unwinds as on Ctrl-C: its claim, temporary sibling and scratch dirs go. A second signal during that
+    cleanup is ignored (it would cut the cleanup short; SIGKILL is what a supervisor sends next). Signal handlers
+    belong to the main thread; elsewhere (a command run from a worker thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, _frame):
+        for s in TERMINATIONS:
+            if signal.getsignal(s) is interrupt:
+                signal.signal(s, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    # a signal the caller chose to ignore (`nohup` ignores SIGHUP) stays ignored
+    before = {s: signal.signal(s, interrupt) for s in TERMINATIONS if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def fail(message: str) -> None:

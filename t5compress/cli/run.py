@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -30,11 +31,12 @@ def run(
     from t5compress import recipe as recipes
 
     r = recipes.load(resolve(recipe), out=out, only=tuple(only) if only else None)
-    rows = recipes.plan(r, force=force)
-    print_plan(r, rows)
-    if dry_run:
-        return
-    result = recipes.run(r, force=force, on_stage=announce)
+    with contextlib.nullcontext() if dry_run else recipes.claimed(r):  # a second run is refused before its plan
+        rows = recipes.plan(r, force=force)
+        print_plan(r, rows)
+        if dry_run:
+            return
+        result = recipes.run(r, force=force, on_stage=announce)
     print_results(result)
 
 

@@ -25,11 +25,72 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 
 def weight_headers(path: str | os.PathLike) -> dict[str, dict]:
     """The tensor table of every weights file of a model dir, each file checked against its header (see
-    `safetensors_header`): the one place that reads a model dir's weights files before a loader does."""
+    `safetensors_header`) and against config.json (see `check_config_fits`): the one place that reads a model dir's
+    weights files before a loader does."""
     headers: dict[str, dict] = {}
     for f in weight_files(path):
         headers.update(safetensors_header(f))
+    check_config_fits(path, headers)
     return headers
+
+
+# The shape of each T5 weight in config.json's terms (inner: num_heads * d_kv). Enough to name what disagrees when a
+# config.json is edited or copied from another model, before a loader fails on "size mismatch" with no names.
+_BLOCK = r"(?:en|de)coder\.block\.\d+\.layer\.\d+\."
+_SHAPES = (
+    (r"shared\.weight|lm_head\.weight|(?:en|de)coder\.embed_tokens\.weight", ("vocab_size", "d_model")),
+    (_BLOCK + r"(?:SelfAttention|EncDecAttention)\.[qkv]\.weight", ("inner", "d_model")),
+    (_BLOCK + r"(?:SelfAttention|EncDecAttention)\.o\.weight", ("d_model", "inner")),
+    (_BLOCK + r"SelfAttention\.relative_attention_bias\.weight", ("relative_attention_num_buckets", "num_heads")),
+    (_BLOCK + r"DenseReluDense\.wi(?:_0|_1)?\.weight", ("d_ff", "d_model")),
+    (_BLOCK + r"DenseReluDense\.wo\.weight", ("d_model", "d_ff")),
+    (r"(?:en|de)coder\.(?:final_layer_norm|block\.\d+\.layer\.\d+\.layer_norm)\.weight", ("d_model",)),
+)
+_PER_LAYER = ("inner", "num_heads", "d_ff")  # sizes a non-uniformly pruned model records per layer instead
+_LAYOUT_KEY = "t5compress_layout"  # kinds.LAYOUT_KEY: the per-layer sizes, when present
+
+
+def check_config_fits(path: str | os.PathLike, headers: dict[str, dict]) -> None:
+    """A one-line ModelError naming the sizes on which config.json and the weights' shapes (`headers`) disagree, and
+    a tensor that shows it; nothing when they agree, or when config.json is missing or unreadable (its readers say
+    so). Per-layer sizes are not compared for a model that records them (non-uniform pruning)."""
+    import re
+
+    config_file = Path(path) / "config.json"
+    try:
+        config = json.loads(config_file.read_bytes())
+    except (OSError, ValueError):
+        return
+    if not isinstance(config, dict):
+        return
+    sizes = {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if "num_heads" in sizes and "d_kv" in sizes:
+        sizes["inner"] = sizes["num_heads"] * sizes["d_kv"]
+    skip = _PER_LAYER if config.get(_LAYOUT_KEY) else ()
+    wrong: dict[str, tuple[int, str, list]] = {}
+    for name, table in sorted(headers.items()):
+        shape = table.get("shape") if isinstance(table, dict) else None
+        dims = next((d for pattern, d in _SHAPES if re.fullmatch(pattern, name)), None)
+        if dims is None or not isinstance(shape, list) or len(shape) != len(dims):
+            continue
+        for key, got in zip(dims, shape, strict=True):
+            if key in sizes and key not in skip and got != sizes[key] and key not in wrong:
+                wrong[key] = (got, name, shape)
+    for stack, key in (("encoder", "num_layers"), ("decoder", "num_decoder_layers")):
+        blocks = {int(m.group(1)) for n in headers if (m := re.match(rf"{stack}\.block\.(\d+)\.", n))}
+        want = sizes.get(key, sizes.get("num_layers"))
+        if blocks and want is not None and len(blocks) != want:
+            wrong[key] = (len(blocks), f"{stack}.block.*", [f"{len(blocks)} blocks"])
+    if wrong:
+        said = "; ".join(
+            f"{'num_heads x d_kv' if k == 'inner' else k}: {_said(k, sizes)} in config.json, {got} in the weights "
+            f"({name} {shape})" for k, (got, name, shape) in wrong.items())
+        raise ModelError(f"config.json in '{Path(path)}' does not match its weights: {said}; the config belongs to "
+                         "another model (or was edited): use the config.json saved with these weights")
+
+
+def _said(key: str, sizes: dict[str, int]) -> str:
+    return f"{sizes['num_heads']} x {sizes['d_kv']}" if key == "inner" else str(sizes[key])
 
 
 def safetensors_header(file: str | os.PathLike) -> dict[str, dict]:

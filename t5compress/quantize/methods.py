@@ -13,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from t5compress import artifacts
 from t5compress.errors import QuantizeError, first_line
 
 log = logging.getLogger(__name__)
@@ -338,6 +337,7 @@ class _quiet:
         logging.getLogger().setLevel(self.level)
 
 
-def scratch_dir(near: Path) -> tempfile.TemporaryDirectory:
-    """A scratch folder on the output's file system (augmented calibration graphs can be large)."""
-    return tempfile.TemporaryDirectory(prefix=".quantize.", dir=os.fspath(near))
+def scratch_dir(near: Path):
+    """A scratch folder on the output's file system (augmented calibration graphs can be large); a later run removes
+    it if this one is killed."""
+    return artifacts.scratch_dir(near, ".quantize.")

@@ -14,10 +14,10 @@ validates the chain and decides, from fingerprints, what runs and what is skippe
 from pathlib import Path
 
 from t5compress.recipe.plan import Recipe, Stage, load, plan
-from t5compress.recipe.runner import run
+from t5compress.recipe.runner import claimed, run
 from t5compress.recipe.schema import RecipeError
 from t5compress.recipe.stages import KINDS, PLANNED
 
 QUICKSTART = Path(__file__).with_name("quickstart.yaml")  # the embedded default; recipes/quickstart.yaml links here
 
-__all__ = ["KINDS", "PLANNED", "QUICKSTART", "Recipe", "RecipeError", "Stage", "load", "plan", "run"]
+__all__ = ["KINDS", "PLANNED", "QUICKSTART", "Recipe", "RecipeError", "Stage", "claimed", "load", "plan", "run"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from t5compress import __version__, artifacts
+from t5compress.config import INPUT_FIELDS
 from t5compress.recipe import schema
 from t5compress.recipe.schema import RecipeError
 from t5compress.recipe.stages import DATA_SUFFIXES, KINDS, PLANNED, Inputs, Kind, data_files
@@ -27,8 +28,6 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # The settings that name a file or folder of the user's (the data stage's own, create's text, the stages' data, a
 # pretrain corpus, a recovery teacher, prune's vocabulary data and keep list): each one that is a local path must
 # exist when the recipe is validated.
-INPUT_FIELDS = ("train", "eval", "text", "train_data", "eval_data", "calib_data", "data", "corpus", "teacher", "vocab",
-                "vocab_keep")
 NESTED_KEYS = ("recover",)  # nested configs a recipe gives under their own key (the others are flattened)
 
 
@@ -73,7 +72,10 @@ def parse(doc: dict, source: str, out: str | Path | None = None, overrides: dict
         if key not in doc:
             raise RecipeError(f"{source}: {key}: required")
     name = schema.coerce(f"{source}: name", doc["name"], str)
+    where = "--out" if out is not None else f"{source}: out"
     out = Path(out if out is not None else schema.coerce(f"{source}: out", doc["out"], str))
+    if out.exists() and not out.is_dir():  # each stage writes OUT/<stage id>: OUT must be a directory or nothing
+        raise RecipeError(f"{where}: '{out}' exists and is not a directory; choose another output path")
     raw = doc["stages"]
     if not isinstance(raw, dict) or not raw:
         raise RecipeError(f"{source}: stages: give a mapping of stage id to settings, in chain order ({CHAIN})")

@@ -15,10 +15,25 @@ from t5compress.recipe.plan import STATE_FILE, Recipe, Stage, plan, read_state
 log = logging.getLogger(__name__)
 
 
-def run(recipe: Recipe, force: bool = False, progress: bool = True,
-        on_stage: Callable[[Stage, dict, int, int], None] | None = None) -> dict:
+OnStage = Callable[[Stage, dict, int, int], None]
+
+
+def run(recipe: Recipe, force: bool = False, progress: bool = True, on_stage: OnStage | None = None) -> dict:
     """Run `recipe` (stage by stage, in order) and return the result: one row per stage with its action, why, time
-    and key numbers, and each stage's report. The state of the run is kept in OUT/recipe.json."""
+    and key numbers, and each stage's report. The state of the run is kept in OUT/recipe.json.
+
+    The whole of OUT is claimed first (`claimed`), so a second run of the recipe is refused before it plans.
+    """
+    with claimed(recipe):
+        return _run(recipe, force, progress, on_stage)
+
+
+def claimed(recipe: Recipe):
+    """Claim the recipe's OUT for the block (see `artifacts.claim`): one run of a recipe at a time."""
+    return artifacts.claim(recipe.out)
+
+
+def _run(recipe: Recipe, force: bool, progress: bool, on_stage: OnStage | None) -> dict:
     rows = plan(recipe, force)
     state = read_state(recipe.out)
     foreign = [s.dir for s in recipe.stages if s.dir.exists() and s.id not in state["stages"]]

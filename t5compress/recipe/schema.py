@@ -40,6 +40,8 @@ def load_yaml(path: str | Path) -> dict:
 
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     p = Path(path)
+    if p.is_dir():
+        raise RecipeError(f"recipe '{path}' is a directory; give the recipe's YAML file")
     if not p.is_file():
         raise RecipeError(f"recipe '{path}' does not exist")
     try:

@@ -32,6 +32,7 @@ from t5compress.names import (
     USE_CACHE_BRANCH,
     graph_io,
 )
+from t5compress.runtime.fit import check_export
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,8 @@ def detect_format(path: str | Path) -> str:
         suffix = FORMAT_SUFFIXES[fmt]
         present = {g for g in (*GRAPHS, DECODER_MERGED) if (p / f"{g}{suffix}").is_file()}
         if any(set(graphs) <= present for graphs in layouts.values()):
+            if fmt == "onnx":
+                check_export(p)  # cut short, or graphs of another model: one line before anything is loaded
             return fmt
         if present and partial is None:
             wanted = layouts["merged"] if DECODER_MERGED in present else layouts["separate"]

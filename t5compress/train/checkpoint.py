@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from t5compress.artifacts import read_json, replace_dir, write_json
 from t5compress.errors import OutputError
 
 LATEST = "latest.json"
+log = logging.getLogger(__name__)
 
 
 def _stage_dir(workdir: Path, final: Path, write) -> None:
@@ -67,12 +69,24 @@ def save_checkpoint(workdir: Path, model, optimizer, scheduler, state: dict, kee
     return workdir / name
 
 
-def load_checkpoint(workdir: Path, model, optimizer, scheduler) -> dict:
-    """Restore model, optimizer, scheduler and RNG from the latest checkpoint; return its training state."""
-    latest = read_json(workdir / LATEST)
-    if not latest or not (workdir / latest["checkpoint"]).is_dir():
-        raise OutputError(f"nothing to resume in '{workdir}': no complete checkpoint; run again without --resume")
-    d = workdir / latest["checkpoint"]
+def latest_checkpoint(workdir: Path) -> Path | None:
+    """The complete checkpoint `latest.json` names, if there is one."""
+    latest = read_json(workdir / LATEST) if (workdir / LATEST).is_file() else None
+    d = workdir / latest["checkpoint"] if latest and latest.get("checkpoint") else None
+    return d if d is not None and d.is_dir() else None
+
+
+def resumable(workdir: Path) -> bool:
+    return latest_checkpoint(workdir) is not None
+
+
+def load_checkpoint(workdir: Path, model, optimizer, scheduler) -> dict | None:
+    """Restore model, optimizer, scheduler and RNG from the latest checkpoint; return its training state, or None
+    when the run was stopped before its first checkpoint (it starts at step 0: nothing was lost)."""
+    d = latest_checkpoint(workdir)
+    if d is None:
+        log.info("'%s' holds no complete checkpoint yet: starting at step 0", workdir)
+        return None
     load_weights(model, d)
     optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=True))
@@ -103,20 +117,29 @@ def workdir_of(out: Path) -> Path:
 
 def prepare_workdir(out: Path, cfg: Any, force: bool, resume: bool) -> Path:
     """The work dir of a training run into `out`: the one to resume (same options), or a fresh one (`force` drops
-    an interrupted run's); records the options in run.json."""
+    an interrupted run's); records the options in run.json.
+
+    A work dir without a complete checkpoint (the run was stopped before its first one) holds nothing to resume: it
+    is replaced by a fresh one, with or without `resume`, so neither rerun is a dead end.
+    """
     artifacts.check_output(out, force)
     work = workdir_of(out)
-    saved = read_json(work / "run.json")
-    if resume:
+    if work.exists() and not resumable(work):
+        log.warning("removed '%s': the run that left it stopped before its first checkpoint; starting at step 0", work)
+        shutil.rmtree(work)
+    elif resume:
+        saved = read_json(work / "run.json")
         if saved is None:
             raise OutputError(f"nothing to resume: '{work}' does not exist; run again without --resume")
         if saved["config"] != dataclasses.asdict(cfg):
             raise OutputError(f"'{work}' was started with other options; resume with the same options or use --force")
+        artifacts.attach_workdir(out, work, resumable)
         return work
-    if work.exists():
+    elif work.exists():
         if not force:
             raise OutputError(f"an interrupted run left '{work}'; pass --resume to continue or --force to start over")
         shutil.rmtree(work)
     work.mkdir(parents=True)
+    artifacts.attach_workdir(out, work, resumable)
     write_json(work / "run.json", {"config": dataclasses.asdict(cfg)})
     return work

@@ -321,8 +321,8 @@ def _start(model, tokenizer, train: Encoded | BatchStream, cfg: TrainConfig, wor
     schedule = SCHEDULES[cfg.schedule]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, warmup, steps))
     state = {"step": 0, "epoch": 0, "pos": 0, "best": None, "best_step": None, "bad_evals": 0, "history": []}
-    if resume:
-        state = ckpt.load_checkpoint(workdir, model, optimizer, scheduler)
+    if resume and (saved := ckpt.load_checkpoint(workdir, model, optimizer, scheduler)) is not None:
+        state = saved
         log.info("resuming at step %d (epoch %d, batch %d)", state["step"], state["epoch"], state["pos"])
     model, optimizer = acc.prepare(model, optimizer)
     where = (state["epoch"], state["pos"], acc.process_index, acc.num_processes)
