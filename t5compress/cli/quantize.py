@@ -25,8 +25,9 @@ def quantize(
                                             "smoothed and GPTQ-rounded, else no data needed.")] = False,
     bits: Annotated[int, typer.Option("--bits", help="Block-wise weight bits: 8, or 4 (half the bytes: "
                                       "MatMulNBits with 4-bit weights, blocks of 32, int8 arithmetic; rounded by "
-                                      "GPTQ by default when --calib-data is given; a gated model's LM head and FFN "
-                                      "outputs stay 8-bit, see --keep-8bit). Implies --blockwise.")] = 8,
+                                      "GPTQ by default when --calib-data is given; a gated model's FFN outputs, "
+                                      "and its LM head without GPTQ, stay 8-bit: --keep-8bit). Implies "
+                                      "--blockwise.")] = 8,
     force: Force = False,
     **opts,
 ) -> None:

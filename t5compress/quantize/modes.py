@@ -225,26 +225,25 @@ class Blockwise(Method):
         return Written(plans, tokenwise, {})
 
 
-GATED_8BIT = "lm_head,DenseReluDense/wo/"  # what a gated model's 4-bit default keeps 8-bit (`Int4.resolve`)
-
-
 class Int4(Blockwise):
     name, label = "int4", "4-bit"
     remedy = "--calib-data for GPTQ rounding, more layers 8-bit with --keep-8bit, a smaller --block-size, or int8"
     help = ("4-bit weights, a scale per --block-size input channels (MatMulNBits, int8 arithmetic), rounded by GPTQ "
-            "with --calib-data; a gated model's LM head and FFN outputs stay 8-bit")
+            "with --calib-data; a gated model's FFN outputs stay 8-bit, its LM head too without GPTQ")
 
     def resolve(self, cfg, gated: bool, tied: bool, held: bool) -> QuantPlan:
         """Blocks of 32 unless asked (4 bits need the finer scales), GPTQ with calibration texts, and what stays
-        8-bit: `--keep-8bit`, or on gated models the LM head and the FFN outputs. Measured on the trained gated
-        docstring fixture (held-out next token, no calibration texts; docs/quantize.md): every layer 4-bit 54.0%,
-        `wo` 8-bit 53.7%, the LM head 8-bit 68.1%, both 70.0% (block-wise int8 95.6%)."""
+        8-bit: `--keep-8bit`, or on gated models the FFN outputs, and the LM head unless GPTQ rounds it. Measured on
+        the trained gated docstring fixture (held-out next token; docs/quantize.md): rounded to nearest, every layer
+        4-bit 54.0%, `wo` 8-bit 53.7%, the LM head 8-bit 68.1%, both 70.0%; by GPTQ (smoothed), every layer 65.8%,
+        `wo` 8-bit 67.8%, both 68.1% (block-wise int8 95.6%)."""
+        from t5compress.quantize.graphs import FFN_OUTPUT
         from t5compress.quantize.nbits import WEIGHT_MAX
 
         plan = super().resolve(cfg, gated, tied, held)
         wide = cfg.keep_8bit
         if wide == WIDE_AUTO:
-            wide = GATED_8BIT if gated else ""
+            wide = "" if not gated else FFN_OUTPUT if plan.rounding == GPTQ else f"lm_head,{FFN_OUTPUT}"
         return replace(plan, weight_max=WEIGHT_MAX[4], block_size=cfg.block_size or 32, bits=4,
                        keep_8bit="" if wide == WIDE_NONE else wide)
 

@@ -85,8 +85,9 @@ class QuantizeConfig:
                               "with --calib-data): gptq (errors spread over later input channels) or nearest.")
     block_size: int = opt(0, "Block-wise: input channels per scale (16, 32, 64, 128 or 256; 0: 32 for 4-bit, for "
                              "int8 128 with --calib-data, else 32). Larger blocks run faster at batch 1.")
-    keep_8bit: str = opt(WIDE_AUTO, "4-bit: linear layers kept 8-bit: auto (a gated model's untied LM head and FFN "
-                                    "outputs: 'lm_head,DenseReluDense/wo/'; none on relu models), none, or "
+    keep_8bit: str = opt(WIDE_AUTO, "4-bit: linear layers kept 8-bit: auto (a gated model's FFN outputs "
+                                    "'DenseReluDense/wo/', and its LM head unless GPTQ rounds it; none on relu "
+                                    "models), none, or "
                                     "comma-separated name parts (e.g. 'lm_head,embed_tokens').")
     eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side; the "
                                       "agreement check and the group measuring read its texts.")

@@ -111,6 +111,21 @@ def _run(node, inits: dict, name: str, value: np.ndarray, kind: int) -> np.ndarr
     return session.run(None, {name: value})[0]
 
 
+def test_4bit_plan_blocks_of_32_and_what_a_gated_model_keeps_8bit():
+    from t5compress.quantize.modes import method_for
+
+    def plan(gated: bool, **kw):
+        cfg = QuantizeConfig(mode="int4", **kw)
+        return method_for(cfg.mode).resolve(cfg, gated, not gated, False)
+
+    relu, gated, rounded = plan(False), plan(True), plan(True, calib_data="x.txt")
+    assert (relu.bits, relu.block_size, relu.weight_max, relu.keep_8bit, relu.rounding) == (4, 32, 7, "", "")
+    assert gated.keep_8bit == "lm_head,DenseReluDense/wo/"  # rounded to nearest, the LM head breaks at 4 bits
+    assert (rounded.keep_8bit, rounded.rounding, rounded.block_size) == ("DenseReluDense/wo/", "gptq", 32)
+    assert plan(True, keep_8bit="none").keep_8bit == "" and plan(False, block_size=64).block_size == 64
+    assert "4-bit weights, 8-bit: lm_head,DenseReluDense/wo/" in gated.describe()
+
+
 def test_bits_other_than_4_or_8_is_one_line_and_exit_2(skilled, tmp_path):
     for args in (["--bits", "3"], ["--bits", "4", "--dynamic"]):
         res = runner.invoke(app, ["quantize", str(skilled / "onnx"), str(tmp_path / "x"), *args])
