@@ -134,14 +134,16 @@ def check_texts(cfg, texts: list[str] | None, evalset) -> tuple[list[str] | None
     return texts, Checked.CALIBRATION
 
 
-def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Checked], evalset) -> dict:
+def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Checked], evalset, method) -> dict:
     """Teacher-forced agreement (thresholded by cfg.min_agreement) and greedy agreement on the `checked` texts, and
-    task metrics, of the fp32 export `src` vs the int8 one `out`. fp32's side is computed first and kept on disk, so
-    the two runtimes are never loaded together."""
+    task metrics, of the fp32 export `src` vs the quantized one `out` (named, and a remedy given, as the
+    `modes.Method` says). fp32's side is computed first and kept on disk, so the two runtimes are never loaded
+    together."""
     from t5compress.quantize.methods import scratch_dir
     from t5compress.runtime import load_runtime
     from t5compress.runtime.limits import release_memory
 
+    label = method.label
     release_memory()  # the quantizer's freed buffers (1.4 GB resident after writing a t5-base shape's graphs)
     fp32 = load_runtime(src, threads=cfg.threads)
     texts, on = checked
@@ -161,15 +163,15 @@ def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Check
             tf = reference.compare(int8.backend.encoder, int8.backend.decoder)
             b = greedy_outputs(int8, texts, max_new_tokens=cfg.max_new_tokens)
         except Exception as e:  # onnxruntime's own types: an int8 graph that cannot even run is a broken quantization
-            raise QuantizeError(f"the int8 graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
+            raise QuantizeError(f"the {label} graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
                                 "nothing was written") from e
     result = {"check": {**tf, "greedy_agreement": agreement(a, b), "texts": len(texts), "on": on,
                         "min_agreement": cfg.min_agreement}}
     if tf["next_token_agreement"] < cfg.min_agreement:
         raise QuantizeError(
-            f"int8 picks fp32's next token at {tf['next_token_agreement']:.1%} of positions on the {on}, below "
-            f"--min-agreement {cfg.min_agreement:g}: the quantization is broken (fewer --op-types, keep more "
-            f"nodes fp32, or another --method); nothing was written"
+            f"{label} picks fp32's next token at {tf['next_token_agreement']:.1%} of positions on the {on}, below "
+            f"--min-agreement {cfg.min_agreement:g}: the quantization is broken "
+            f"({method.remedy}); nothing was written"
         )
     if evalset:
         result["eval"] = _task_metrics(cfg, evalset, p32, b if every else None, int8)

@@ -36,10 +36,10 @@ def summary(report: dict) -> str:
 def describe(r: dict) -> list[tuple[str, str]]:
     """Mode and size against fp32, agreement with fp32, task metrics side by side, then what was tuned, measured and
     kept fp32, and what was done beyond calibrated int8."""
-    from t5compress.quantize.modes import applied, how
+    from t5compress.quantize.modes import applied, how, label
 
-    size, check = r["size"], r["check"]
-    rows = [(f"int8 {how(r)}", f"{size['fp32_bytes'] / 1e6:.2f} MB → {size['int8_bytes'] / 1e6:.2f} MB "
+    size, check, name = r["size"], r["check"], label(r)
+    rows = [(f"{name} {how(r)}", f"{size['fp32_bytes'] / 1e6:.2f} MB → {size['int8_bytes'] / 1e6:.2f} MB "
                             f"({size['ratio']:.2f}x), next token {check['next_token_agreement']:.2%} on "
                             f"{check['texts']} {check['on']}"),
             ("agreement with fp32", f"next token {check['next_token_agreement']:.2%}, greedy outputs "
@@ -51,7 +51,7 @@ def describe(r: dict) -> list[tuple[str, str]]:
         if "greedy_agreement" in ev and not checked_all:  # older reports have only the metrics
             rows.append(("greedy outputs = fp32", f"{ev['greedy_agreement']:.1%} of {ev['examples']} eval examples"))
         for k in ("exact_match", "rougeL", "bleu"):
-            rows.append((f"{k} fp32 → int8", f"{ev['fp32'][k]} → {ev['int8'][k]} ({ev['examples']} examples)"))
+            rows.append((f"{k} fp32 → {name}", f"{ev['fp32'][k]} → {ev['int8'][k]} ({ev['examples']} examples)"))
     return rows + _searched(r) + applied(r)
 
 

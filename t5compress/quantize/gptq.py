@@ -47,9 +47,10 @@ class Gram:
 
 
 def round_graphs(paths: dict[str, Path], grams: dict[str, Gram], weight_max: int = 127,
-                 step=lambda: None, group: int | None = None) -> dict[str, dict]:
+                 step=lambda: None, group: int | None = None, limits: dict[str, int] | None = None) -> dict[str, dict]:
     """{graph: {node name: (int8 weight, scales)}}: the weights of the nodes each graph's `Gram` measured, read from
-    `paths[graph]` and rounded by GPTQ on that graph's inputs (`group`: see `gptq_int8`). Per graph: the decoder
+    `paths[graph]` and rounded by GPTQ on that graph's inputs (`group`: see `gptq_int8`; `limits`: another
+    `weight_max` for the nodes it names, e.g. those a 4-bit model keeps 8-bit). Per graph: the decoder
     graphs smooth each layer with their own scales (their inputs' ranges differ), so the same layer's weights differ
     between them; the first-step graph's are rounded on the first steps' inputs alone."""
     from onnx import numpy_helper
@@ -60,7 +61,7 @@ def round_graphs(paths: dict[str, Path], grams: dict[str, Gram], weight_max: int
         inits = {t.name: t for t in model.graph.initializer}
         for node in (n for n in model.graph.node if n.name in hessians):
             rounded[g][node.name] = gptq_int8(numpy_helper.to_array(inits[node.input[1]]), hessians[node.name],
-                                              weight_max, group)
+                                              (limits or {}).get(node.name, weight_max), group)
             step()
     return rounded
 

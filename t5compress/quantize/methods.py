@@ -209,41 +209,48 @@ def _unquantized(src: Path, dst: Path) -> None:
     onnx.save(load_onnx(str(src)), str(dst))
 
 
-def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict | None = None) -> None:
-    """Block-wise int8: each linear layer as ONNX Runtime's MatMulNBits with 8-bit weights, one scale per block of
-    `block` input channels, and `accuracy_level` 4 (activations quantized to int8 per block at run time, int8
-    multiply-adds). `rounded`: {node name: (int8 (in, out), scales (in / block, out))}, e.g. `gptq.gptq_int8`'s with
-    `group=block`; the other weights are rounded to nearest. The embedding lookups gather int8 rows, each with its own
-    scale (`graphs.int8_row_lookups`); a tied one reads the LM head's packed blocks instead (`_lookup_packed`)."""
+def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict | None = None, bits: int = 8,
+                    wide: frozenset[str] = frozenset()) -> None:
+    """Block-wise int8 or 4-bit: each linear layer as ONNX Runtime's MatMulNBits with `bits`-bit weights (those in
+    `wide` 8-bit), one scale per block of `block` input channels, and `accuracy_level` 4 (activations quantized to
+    int8 per block at run time, int8 multiply-adds). `rounded`: {node name: (int (in, out), scales (in / block,
+    out))}, e.g. `gptq.gptq_int8`'s with `group=block`; the other weights are rounded to nearest. The embedding
+    lookups gather int8 rows, each with its own scale (`graphs.int8_row_lookups`), or at 4 bits 4-bit blocks
+    (`nbits.block_lookups4`); a tied one reads the LM head's packed blocks instead (`_lookup_packed`)."""
     import onnx
     from onnx import helper, numpy_helper
 
     from t5compress.quantize.graphs import int8_row_lookups, sort_nodes
+    from t5compress.quantize.nbits import WEIGHT_MAX, block_lookups4, lookup_packed4, pack_blocks4
 
     model = onnx.load(str(src))
     tied = _tied_lookups(model, plan)
-    int8_row_lookups(model, set(plan.nodes) - set(tied))
+    untied = set(plan.nodes) - set(tied)
+    four = block_lookups4(model, untied - wide, block) if bits == 4 else set()
+    int8_row_lookups(model, untied - four)
     inits = {t.name: t for t in model.graph.initializer}
     done, packed_as = [], {}
     for node in list(model.graph.node):
         weight = node.input[1] if node.op_type == "MatMul" else None
         if node.name not in plan.nodes or weight not in inits:
             continue
+        width = 8 if node.name in wide else bits
         w = numpy_helper.to_array(inits[weight])
-        q, scales = (rounded or {}).get(node.name) or nearest_blocks(w, block)
+        q, scales = (rounded or {}).get(node.name) or nearest_blocks(w, block, WEIGHT_MAX[width])
         (k, n), p = w.shape, node.name.rsplit("/", 1)[0] + "/nbits_"
-        packed, scales = pack_blocks(q, scales, block)
+        packed, scales = pack_blocks4(q, scales, block) if width == 4 else pack_blocks(q, scales, block)
         model.graph.initializer.extend([numpy_helper.from_array(packed, p + "w"),
                                         numpy_helper.from_array(scales, p + "scales")])
-        packed_as[weight] = (p, k)
+        packed_as[weight] = (p, k, width)
         model.graph.node.append(helper.make_node(
-            "MatMulNBits", [node.input[0], p + "w", p + "scales"], list(node.output), name=node.name + "_Q8",
-            domain="com.microsoft", K=k, N=n, bits=8, block_size=block, accuracy_level=4))
+            "MatMulNBits", [node.input[0], p + "w", p + "scales"], list(node.output), name=f"{node.name}_Q{width}",
+            domain="com.microsoft", K=k, N=n, bits=width, block_size=block, accuracy_level=4))
         done.append(node.name)
     for lookup, weight in tied.items():
         if weight in packed_as:
-            _lookup_packed(model, lookup, *packed_as[weight], block)
-    if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
+            p, k, width = packed_as[weight]
+            (lookup_packed4 if width == 4 else _lookup_packed)(model, lookup, p, k, block)
+    if (done or four) and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     sort_nodes(model, set(done))
     read = _read(model.graph)  # a fp32 weight stays only where a node still reads it (a tied table under

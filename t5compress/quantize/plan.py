@@ -15,6 +15,8 @@ ROUNDINGS = (GPTQ, NEAREST)
 # what `keep_fp32` resolves to besides name parts
 KEEP_WO = "wo"  # T5's FFN outputs (gated models without per-token int8 or smoothing: their inputs have outliers)
 KEEP_MEASURED = "measured"  # the sensitivity search decides
+# what a 4-bit model keeps 8-bit (`keep_8bit`), besides name parts
+WIDE_AUTO, WIDE_NONE = "auto", "none"
 # what `sensitivity` resolves to
 OFF, IF_NEEDED, EVERY_GROUP = "off", "if needed", "every group"
 
@@ -44,6 +46,8 @@ class QuantPlan:
     row_lookups: bool = False  # static: untied embedding lookups gather int8 rows, a scale each
     share_table: bool = False  # a tied table is stored once, in the LM head's int8 matrix
     tune: bool = False  # onnx-neural-compressor's accuracy-aware tuning picks the fp32 nodes
+    bits: int = 8  # weight bits of the block-wise layers
+    keep_8bit: str = ""  # 4-bit: name parts of the nodes kept 8-bit ("": none)
 
     def describe(self) -> str:
         """One line: the choices that shape the int8 model."""
@@ -60,6 +64,8 @@ class QuantPlan:
             parts.append(f"rounding: {self.rounding}")
         if self.block_size:
             parts.append(f"blocks of {self.block_size}")
+        if self.bits != 8:
+            parts.append(f"{self.bits}-bit weights" + (f", 8-bit: {self.keep_8bit}" if self.keep_8bit else ""))
         if self.tune:
             parts.append("tuned by onnx-neural-compressor")
         return ", ".join(parts)

@@ -34,6 +34,7 @@ from t5compress.quantize.plan import (
     PER_TOKEN_AUTO,
     PER_TOKEN_NONE,
     ROUNDINGS,
+    WIDE_AUTO,
 )
 
 __all__ = ["QuantizeConfig", "applied", "run"]
@@ -82,8 +83,12 @@ class QuantizeConfig:
                                            "--calib-data, else 0.")
     rounding: str = opt(GPTQ, "How weights with calibration inputs are rounded (static per-token layers, block-wise "
                               "with --calib-data): gptq (errors spread over later input channels) or nearest.")
-    block_size: int = opt(0, "Block-wise: input channels per scale (16, 32, 64, 128 or 256; 0: 128 with "
-                             "--calib-data, else 32). Larger blocks run faster at batch 1.")
+    block_size: int = opt(0, "Block-wise: input channels per scale (16, 32, 64, 128 or 256; 0: 32 for 4-bit, for "
+                             "int8 128 with --calib-data, else 32). Larger blocks run faster at batch 1.")
+    keep_8bit: str = opt(WIDE_AUTO, "4-bit: linear layers kept 8-bit: auto (a gated model's FFN outputs "
+                                    "'DenseReluDense/wo/', and its LM head unless GPTQ rounds it; none on relu "
+                                    "models), none, or "
+                                    "comma-separated name parts (e.g. 'lm_head,embed_tokens').")
     eval_data: str | None = opt(None, "Held-out data with targets: task metrics of fp32 and int8 side by side; the "
                                       "agreement check and the group measuring read its texts.")
     eval_max: int = opt(200, "Evaluate on at most this many eval records.")
@@ -134,7 +139,7 @@ def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, *, 
         with env.staging() as tmp:
             env.report = {"stage": "quantize", **_make(export, tmp, method)}
             env.report["seconds"] = env.seconds(2)
-    log.info("int8 export written to %s", out)
+    log.info("%s export written to %s", method.label, out)
     return env.report
 
 
@@ -171,7 +176,7 @@ def _make(export, tmp: Path, method) -> dict:
     graphs = _quantize(export, tmp, method)
     _finish(src, tmp, cfg, plan, graphs)
     return {**method.settings(cfg, plan), "graphs": graphs, "size": _sizes(src, tmp), "plan": asdict(plan),
-            **check_int8(src, tmp, cfg, export.checked, export.evalset)}
+            **check_int8(src, tmp, cfg, export.checked, export.evalset, method)}
 
 
 def _quantize(export, tmp: Path, method) -> dict:

@@ -71,11 +71,11 @@ def _step_cost(export, calibrator, plan, tokenwise: list[str], rounded: dict | N
     return {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
 
 
-def gptq(export, grams: dict, weight_max: int, group: int | None = None) -> dict:
+def gptq(export, grams: dict, weight_max: int, group: int | None = None, limits: dict[str, int] | None = None) -> dict:
     """`gptq.round_graphs` on the export's graphs, with a progress bar."""
     from t5compress.progress import Reporter
     from t5compress.quantize.gptq import round_graphs
 
     with Reporter("quantize", sum(len(g.inputs) for g in grams.values()), unit="layer", what="GPTQ rounding",
                   enabled=export.progress, transient=True) as bar:
-        return round_graphs(export.paths, grams, weight_max, step=lambda: bar.update(1), group=group)
+        return round_graphs(export.paths, grams, weight_max, step=lambda: bar.update(1), group=group, limits=limits)

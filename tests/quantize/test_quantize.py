@@ -270,7 +270,7 @@ def test_auto_choices_resolve_once_into_a_plan(static_dir):
         cfg = QuantizeConfig(**{"calib_data": "x.txt", **kw})
         return method_for(cfg.mode).resolve(cfg, gated, tied, held)
 
-    assert list(METHODS) == ["static", "dynamic", "blockwise"]
+    assert list(METHODS) == ["static", "dynamic", "blockwise", "int4"]
     relu, gated = plan(False), plan(True, tied=False)
     assert (relu.smooth_alpha, relu.per_token, relu.keep_fp32, relu.row_lookups) == (0.0, "none", "none", False)
     assert (gated.smooth_alpha, gated.per_token, gated.keep_fp32, gated.sensitivity) == (0.5, "auto", "none", "off")
