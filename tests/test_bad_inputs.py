@@ -176,7 +176,8 @@ CASES = [
     ("train-batches-larger-than-the-machine", "train {model} {data} {out} --batch-size 4096 --max-source-length "
      "65536", "at batch 4096 of 65536 -> 128 tokens: lower --batch-size", None),
     ("qat-larger-than-the-machine", "qat {xxl_model} {data} {out} --max-steps 1", "GB to qat; this machine has", None),
-    ("prune-larger-than-the-machine", "prune {xxl_model} {out} --heads 0.5 --calib-data {data}", "GB to prune; this machine has", None),
+    ("prune-larger-than-the-machine", "prune {xxl_model} {out} --heads 0.5 --calib-data {data}",
+     "GB to prune; this machine has", None),
     ("recover-larger-than-the-machine", "recover {xxl_model} {out} --data {data} --steps 1",
      "GB to recover; this machine has", None),
     ("generate-min-above-max", "generate {export} hello --min-new-tokens 10 --max-new-tokens 2",
