@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from t5compress.cli import app
 from t5compress.errors import ConfigError, QuantizeError
+from t5compress.names import GRAPHS
 from t5compress.quantize import QuantizeConfig, run
 from t5compress.quantize.describe import ranked, summary
 from t5compress.quantize.graft import group_of, mixed
@@ -277,7 +278,7 @@ def test_blockwise_takes_a_gated_models_wo_and_lm_head_blockwise_too(gated_expor
     graph = onnx.load(str(tmp_path / "b" / "decoder_with_past_model.onnx")).graph
     blockwise = {n.name.removesuffix("_Q8") for n in graph.node if n.op_type == "MatMulNBits"}
     assert {"/decoder/block.0/layer.2/DenseReluDense/wo/MatMul", "/lm_head/MatMul"} <= blockwise, sorted(blockwise)
-    assert all(not g["kept_fp32"] and not g["per_token"] for g in r["graphs"].values() if isinstance(g, dict))
+    assert all(not r["graphs"][g]["kept_fp32"] and not r["graphs"][g]["per_token"] for g in GRAPHS)
 
 
 def test_gptq_rounding_moves_outputs_less_than_rounding_to_nearest():
