@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from t5compress.errors import ModelError
-from t5compress.names import GRAPHS, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
+from t5compress.names import GRAPHS, LAYOUT_KEY, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 
 SCALES_JSON = "quantization.json"  # learned int8 scales beside a QAT model's weights
-LAYOUT_KEY = "t5compress_layout"  # per-layer sizes of a non-uniformly pruned model, in its config.json
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 

@@ -16,6 +16,8 @@ USE_CACHE_BRANCH = "use_cache_branch"  # the merged decoder's bool (1,) input: F
 
 ONNX_SUFFIX = ".onnx"
 TORCHSCRIPT_SUFFIX = ".pt"
+# config.json's per-layer sizes of a non-uniformly pruned model (its dir and its exports carry them)
+LAYOUT_KEY = "t5compress_layout"
 
 # The one vocabulary of dynamic axis names.
 BATCH = "batch_size"

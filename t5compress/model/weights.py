@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from t5compress.errors import ModelError, first_line
+from t5compress.names import LAYOUT_KEY
 
 
 def weight_files(path: str | os.PathLike) -> list[Path]:
@@ -47,7 +48,6 @@ _SHAPES = (
     (r"(?:en|de)coder\.(?:final_layer_norm|block\.\d+\.layer\.\d+\.layer_norm)\.weight", ("d_model",)),
 )
 _PER_LAYER = ("inner", "num_heads", "d_ff")  # sizes a non-uniformly pruned model records per layer instead
-_LAYOUT_KEY = "t5compress_layout"  # kinds.LAYOUT_KEY: the per-layer sizes, when present
 
 
 def check_config_fits(path: str | os.PathLike, headers: dict[str, dict]) -> None:
@@ -66,7 +66,7 @@ def check_config_fits(path: str | os.PathLike, headers: dict[str, dict]) -> None
     sizes = {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
     if "num_heads" in sizes and "d_kv" in sizes:
         sizes["inner"] = sizes["num_heads"] * sizes["d_kv"]
-    skip = _PER_LAYER if config.get(_LAYOUT_KEY) else ()
+    skip = _PER_LAYER if config.get(LAYOUT_KEY) else ()
     wrong: dict[str, tuple[int, str, list]] = {}
     for name, table in sorted(headers.items()):
         shape = table.get("shape") if isinstance(table, dict) else None

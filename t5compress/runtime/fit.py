@@ -18,10 +18,9 @@ import re
 from pathlib import Path
 
 from t5compress.errors import ModelError
-from t5compress.names import DECODER_MERGED, GRAPHS, ONNX_SUFFIX
+from t5compress.names import DECODER_MERGED, GRAPHS, LAYOUT_KEY, ONNX_SUFFIX
 from t5compress.onnxgraph import declared_io
 
-LAYOUT_KEY = "t5compress_layout"  # kinds.LAYOUT_KEY (the runtime ships without `kinds`): per-layer sizes
 CACHE = re.compile(r"(?:past_key_values|present)\.(\d+)\.(decoder|encoder)\.(?:key|value)")
 
 
