@@ -1,9 +1,10 @@
 """Ours against the peers, per grid cell: each variant of ours, its p50 and its speed-up over the fastest peer of its
 precision (and which peer that was); and every variant's files against our fp32 export.
 
-int8 variants are compared with int8 peers, fp32 with fp32 peers; a pruned variant of ours is compared with the same
-(unpruned) peers of its precision. Only cells that produced exactly the forced number of tokens count: a short or
-failed result is shown in the tables but never compared, and a speed-up missing one side says why.
+int8 variants are compared with int8 peers, fp32 with fp32 peers, 4-bit ones (`quantize --bits 4`) with the int8
+peers (none of the peers writes a 4-bit T5: 8 bits is the fewest a peer offers); a pruned variant of ours is compared
+with the same (unpruned) peers of its precision. Only cells that produced exactly the forced number of tokens count:
+a short or failed result is shown in the tables but never compared, and a speed-up missing one side says why.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ def ours(entries: list[dict]) -> list[dict]:
     return [e for e in entries if e["owner"] == "ours"]
 
 
+PEER_PRECISION = {"int4": "int8"}  # a precision no peer has -> the peers it is measured against
+
+
 def fastest_peer(entries: list[dict], precision: str, key: Key) -> dict:
     """{'name', 'p50_ms'} of the fastest peer of `precision` in cell `key`, else {'why': ...}."""
+    precision = PEER_PRECISION.get(precision, precision)
     peers = [e for e in entries if e["owner"] == "peer" and e["precision"] == precision and not e.get("pruned")]
     ok = [(e["name"], cell_of(e, key)["p50_ms"]) for e in peers if valid(cell_of(e, key))]
     if ok:

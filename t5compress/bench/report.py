@@ -214,8 +214,9 @@ def speedup_lines(r: dict, level: int = 2) -> list[str]:
         return lines + ["No peer was measured" + (" (see Skipped peers)" if r["skipped"] else
                                                   " (give --peers, e.g. --peers all)") + ": nothing to compare.", ""]
     lines += ["Per grid cell, each variant of ours: its p50 ms and its speed-up = the p50 of the fastest peer of the "
-              "same precision / ours (int8 vs int8 peers, fp32 vs fp32 peers; a pruned variant vs the same unpruned "
-              "peers), and which peer that was. Only results of exactly the forced length count.", "",
+              "same precision / ours (int8 vs int8 peers, fp32 vs fp32 peers, 4-bit vs int8 peers; a pruned "
+              "variant vs the same unpruned peers), and which peer that was. Only results of exactly the forced "
+              "length count.", "",
               "| threads | batch | decode | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     for row in rows:
         cells = []

@@ -30,7 +30,7 @@ class Variant:
     name: str
     path: Path
     kind: str  # pytorch | onnx | torchscript | ctranslate2 | openvino (the engine that runs it)
-    precision: str  # fp32 | int8
+    precision: str  # fp32 | int8 | int4 (4-bit weights: `quantize --bits 4`)
     label: str  # what it is, for people: "ONNX int8 static (pruned)"
     role: str = "variant"  # variant | peer
     owner: str = "ours"  # ours | baseline | peer (who made the runtime: the speed-ups compare ours with peers)
@@ -172,7 +172,11 @@ def resolve(spec: str) -> Variant:
     pruned = any(s in ("prune", "recover") for s in stages)
     label = found.pop("label")
     if found["precision"] == "int8" and found["kind"] in ("onnx", "torchscript"):
-        label += " int8 " + _int8_method(path, stages)
+        method = _int8_method(path, stages)
+        if method == "int4":  # MatMulNBits with 4-bit blocks: its own precision, not int8's
+            found["precision"], label = "int4", label + " int4 (4-bit weights)"
+        else:
+            label += " int8 " + method
     elif found["kind"] in ("onnx", "torchscript", "pytorch"):
         label += f" {found['precision']}" + (" (QAT, fake-quant)" if "qat" in stages[:1] else "")
     if pruned:

@@ -352,6 +352,10 @@ def test_speedup_vs_the_fastest_peer_of_the_same_precision():
                            "ov-fp32": 0.25, "ort-fp32": 0.25}
     no_peers = speedups([e for e in HAND_MADE if e["owner"] != "peer"], KEYS)
     assert no_peers[0]["variants"]["fp32"]["why"] == "no fp32 peer (--peers)"
+    # 4-bit: no peer has it, so it is measured against the int8 peers
+    four = speedups([*HAND_MADE, _entry("int4", "ours", "int4", [30.0, 110.0])], KEYS, output_tokens=8)
+    assert [(r["variants"]["int4"]["peer"]["name"], r["variants"]["int4"]["speedup"]) for r in four] == [
+        ("ct2-int8", 2.0), ("ort-int8", 2.0)]
 
 
 def test_expectations_met_missed_and_not_measured_and_the_exit_code():

@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
+from t5compress.bench.variants import resolve
 from t5compress.cli import app
 from t5compress.names import GRAPHS
 from t5compress.quantize import QuantizeConfig, run
@@ -72,6 +73,9 @@ def test_4bit_dir_holds_4bit_matmuls_generates_as_fp32_and_is_smaller_than_int8(
     assert np.array_equal(a[:, :3], b[:, :3]), (a, b)  # the first two generated tokens of every text
     assert r["check"]["next_token_agreement"] >= 0.9 and r["check"]["on"] == "eval texts"
     assert "4-bit block-wise, blocks of 32" in r["output"] and "4-bit export →" in r["output"]
+    # bench names it for what it is (not "int8") and compares it with the int8 peers
+    v = resolve(str(int4))
+    assert (v.precision, v.label, v.owner) == ("int4", "ONNX int4 (4-bit weights)", "ours")
 
 
 def test_4bit_packing_computes_the_rounded_weights_in_onnx_runtime():
