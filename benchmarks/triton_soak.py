@@ -42,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 ARCH = "t5-efficient-tiny-nl2"
 LEAVES = ("encoder", "decoder", "decoder_with_past")
+MODEL = "t5"  # the served text model's name
 RECOVERY_SECONDS = 60.0  # a recovery attempt whose requests take longer than this did not work
 STARTED = time.monotonic()
 
@@ -493,7 +494,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "current", help="where NAME.json and .md go")
     ap.add_argument("--name", default="triton_soak", help="file name of the results, without extension")
     args = ap.parse_args()
-    args.name = "t5"
 
     from t5compress.bench.inputs import generated_texts
     from t5compress.runtime import load_runtime
@@ -504,7 +504,7 @@ def main() -> None:
     say(f"building the model and export in {work}")
     export_dir, what = prepare(args, work)
     repo, log_path = work / "repo", work / "server.log"
-    run(export_dir, TritonConfig(name=args.name, portable=args.flavour == "portable", max_batch_size=args.clients),
+    run(export_dir, TritonConfig(name=MODEL, portable=args.flavour == "portable", max_batch_size=args.clients),
         repo, force=True)
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}
     texts = generated_texts(64, 7)
@@ -518,7 +518,7 @@ def main() -> None:
                     "machine": f"{os.cpu_count()} CPUs", "server_log": str(log_path)}
     try:
         serve.wait_for("ready (pid")
-        load = Load(serve, args.name, texts, want, args.timeout, settings)
+        load = Load(serve, MODEL, texts, want, args.timeout, settings)
         at_ready = server_memory(serve.pid)
         # Warm-up, not counted: measured here (results/archive/triton_soak_long.md), the server's RSS jumps by
         # ~180 MB in the first few hundred requests (portable), then creeps up by ~4-6 MB per 1000 requests.
@@ -547,7 +547,7 @@ def main() -> None:
         say(f"soak: {s['requests']} requests, {s['ok']} ok, {s['mismatch']} mismatch, {s['errors']} errors, "
             f"{s['timeouts']} hangs; p50/p90/p99 {s['p50_ms']}/{s['p90_ms']}/{s['p99_ms']} ms")
         if not args.no_fault:
-            model = args.name if args.flavour == "in-process" else f"{args.name}_{args.fault_model}"
+            model = MODEL if args.flavour == "in-process" else f"{MODEL}_{args.fault_model}"
             f = record["leaf"] = leaf_fault(serve, load, args, model)
             a = f["requests"]
             record["leaf_pass"] = (a["hangs"] == 0 and f["stuck_threads"] == 0 and f["ready_again_after_kill_s"]
