@@ -369,6 +369,7 @@ def classify_around(outcomes: list[Outcome], killed: float) -> dict:
         "failures_end_by_s": round(max((o.start + o.seconds - killed for o in failed), default=0.0), 2),
         "first_ok_sent_after_s": round(first_ok.start - killed, 2) if first_ok else None,
         "messages": dict(Counter(o.message for o in failed).most_common(6)),
+        "in_flight_messages": dict(Counter(o.message for o in failed if o.start < killed)),
     }
 
 
@@ -442,6 +443,8 @@ def markdown(r: dict) -> str:
                   f"- a failed request took {_s(a['failure_p50_s'])} (median), {_s(a['slowest_failure_s'])} at most; "
                   f"the last failure ended {_s(a['failures_end_by_s'])} after the kill",
                   "- errors the clients got: " + "; ".join(f"`{k}` x{v}" for k, v in a["messages"].items()),
+                  "- of those, the requests in flight at the kill: "
+                  + ("; ".join(f"`{k}` x{v}" for k, v in a["in_flight_messages"].items()) or "none"),
                   f"- requests sent after the server was ready again: {_counts(f['after_recovery'])}",
                   f"- the killed server left: {f['old_server_left']['processes']} processes, "
                   f"{f['old_server_left']['shm_regions']} shared-memory regions",
@@ -458,6 +461,8 @@ def markdown(r: dict) -> str:
                   f"{t['left']['processes']} | "
                   f"{t['left']['shm_regions']} | {t['left']['ports_taken'] or 'none'} |", "",
                   "- errors the clients got: " + "; ".join(f"`{k}` x{v}" for k, v in a["messages"].items()),
+                  "- of those, the requests in flight at the signal: "
+                  + ("; ".join(f"`{k}` x{v}" for k, v in a["in_flight_messages"].items()) or "none"),
                   "- serve said: " + " / ".join(f"`{ln}`" for ln in t["serve_said"])]
     return "\n".join(lines) + "\n"
 
