@@ -57,10 +57,13 @@ def alive(pid: int) -> bool:
 
 
 def how_it_ended(pid: int) -> str:
-    """'killed by signal 9 (SIGKILL)' or 'exited with code N' for a zombie; 'gone' once reaped."""
+    """'killed by signal 9 (SIGKILL)' or 'exited with code N' for a zombie; 'is gone' once reaped, 'is running',
+    'is sleeping' ... while it lives."""
     fields = _stat(pid)
     if fields is None or len(fields) < 50:
-        return "gone"
+        return "is gone"
+    if fields[0] != "Z":
+        return f"is {STATES.get(fields[0], fields[0])}"
     status = int(fields[49])  # field 52 of stat: the exit status as waitpid(2) gives it
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
