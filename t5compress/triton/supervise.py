@@ -118,18 +118,20 @@ class Supervisor:
         self.running.shm |= {s.shm for s in processes.stubs(r.pid).values()}
         self.stopping.touch()  # new requests on connections already open get an error from the text model
         r.process.send_signal(signal.SIGTERM)  # Triton closes its listening sockets
-        pending, why = None, "drain timeout"
+        pending, why, deadline = None, "drain timeout", t + self.cfg.drain_timeout
         try:
-            while time.monotonic() - t < self.cfg.drain_timeout:
+            while True:
                 if r.process.poll() is not None:
                     pending, why = 0, "server exited"
                     break
                 now = r.pending()
                 if now == 0:  # Triton may still wait out idle connections: a moment to exit on its own, no more
                     pending, why = 0, "nothing in flight"
-                    _wait(r, min(GRACE_S, max(self.cfg.drain_timeout - (time.monotonic() - t), 0)))
+                    _wait(r, min(GRACE_S, max(deadline - time.monotonic(), 0)))
                     break
                 pending = now if now is not None else pending
+                if time.monotonic() >= deadline:
+                    break
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
             why = "a second interrupt"
