@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -75,12 +76,19 @@ class Serve:
             self.proc.wait()
 
 
+class Outcome(NamedTuple):
+    sent: float  # time.monotonic()
+    ok: bool  # answered (always with the right text: checked as it comes)
+    message: str  # the error, when not ok
+    ended: float
+
+
 class Load:
-    """Clients sending TEXTS until stopped, alternately HTTP and gRPC; every outcome kept: (sent at, ok?, message)."""
+    """Clients sending TEXTS until stopped, alternately HTTP and gRPC; every request's Outcome kept."""
 
     def __init__(self, ports: Ports, want: dict[str, str] | None, clients: int = 2, **settings) -> None:
         self.ports, self.want, self.settings = ports, want, settings
-        self.outcomes: list[tuple[float, bool, str]] = []
+        self.outcomes: list[Outcome] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._send, args=(k,), daemon=True) for k in range(clients)]
         for t in self.threads:
@@ -102,16 +110,17 @@ class Load:
                 result = client.infer("t5", inputs(protocol, [text], **self.settings), **extra)
                 got = contract.texts_of(result.as_numpy(contract.OUTPUT_TEXT.name))[0][0]
             except Exception as e:  # noqa: BLE001 -- an error is an outcome: counted, the load goes on
-                self.outcomes.append((sent, False, str(e).splitlines()[0] if str(e) else type(e).__name__))
+                message = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self.outcomes.append(Outcome(sent, False, message, time.monotonic()))
                 client = _close(client)
                 time.sleep(0.05)
                 continue
             assert self.want is None or got == self.want[text], (got, text)  # an answer is always the right one
-            self.outcomes.append((sent, True, ""))
+            self.outcomes.append(Outcome(sent, True, "", time.monotonic()))
         _close(client)
 
     def ok_since(self, t: float) -> int:
-        return sum(ok for sent, ok, _ in list(self.outcomes) if sent >= t)
+        return sum(o.ok for o in list(self.outcomes) if o.sent >= t)
 
     def wait_ok_since(self, t: float, n: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -119,7 +128,7 @@ class Load:
             assert time.monotonic() < deadline, self.outcomes[-5:]
             time.sleep(0.1)
 
-    def finish(self) -> list[tuple[float, bool, str]]:
+    def finish(self) -> list[Outcome]:
         self.stop.set()
         for t in self.threads:
             t.join(TIMEOUT + 10)
@@ -135,6 +144,14 @@ def _client(protocol: str, url: str):
     import tritonclient.grpc as grpc
 
     return grpc.InferenceServerClient(url)
+
+
+def _sigterm(serve: Serve, load: Load) -> tuple[float, int, list]:
+    """SIGTERM to serve under `load`: when it was sent, serve's exit code, every request's outcome (none hung)."""
+    term = time.monotonic()
+    serve.proc.send_signal(signal.SIGTERM)
+    out = serve.proc.wait(timeout=60)
+    return term, out, load.finish()
 
 
 def _close(client) -> None:
@@ -158,12 +175,11 @@ def _nothing_left(server_pid: int, shm: set[str], ports: Ports) -> None:
 def test_a_killed_leaf_restarts_the_server_and_sigterm_under_load_leaves_nothing(served):
     repo, want = served
     serve = Serve(repo, "--drain-timeout", "5", "--restarts", "1")
-    load = None
+    load = Load(serve.ports, want)  # sends once the server answers (errors until then)
     try:
         first = serve.server_pid()
         stubs = processes.stubs(first)
         shm = {s.shm for s in stubs.values()}
-        load = Load(serve.ports, want)
         load.wait_ok_since(0, 4)
         leaf = next(pid for pid, s in stubs.items() if s.model == "t5_decoder_with_past")
         os.kill(leaf, signal.SIGKILL)
@@ -176,14 +192,9 @@ def test_a_killed_leaf_restarts_the_server_and_sigterm_under_load_leaves_nothing
         load.wait_ok_since(time.monotonic(), 4)  # served again
         shm = {s.shm for s in processes.stubs(second).values()}
 
-        term = time.monotonic()
-        serve.proc.send_signal(signal.SIGTERM)
-        out = serve.proc.wait(timeout=60)
-        outcomes = load.finish()
-        load = None
+        term, out, outcomes = _sigterm(serve, load)
     finally:
-        if load is not None:
-            load.stop.set()
+        load.stop.set()
         serve.close()
     text = "".join(serve.lines)
     assert out == 0, text
@@ -191,9 +202,8 @@ def test_a_killed_leaf_restarts_the_server_and_sigterm_under_load_leaves_nothing
     assert "still in flight" not in text, text  # the drain ended with nothing in flight
     _nothing_left(second, shm, serve.ports)
     # Every request ended (no thread hung): answered right (checked as they came) or an error.
-    after_kill = [o for o in outcomes if o[0] >= killed]
-    assert any(ok for _, ok, _ in after_kill) and any(ok for sent, ok, _ in outcomes if sent < term)
-    assert all(ok or msg for _, ok, msg in outcomes)
+    assert any(o.ok for o in outcomes if o.sent >= killed) and any(o.ok for o in outcomes if o.sent < term)
+    assert all(o.ok or o.message for o in outcomes)
 
 
 @pytest.mark.slow
@@ -221,24 +231,18 @@ def test_a_drain_that_runs_out_cuts_the_requests_in_flight_with_an_error_and_say
     many and still exits 0 with nothing left."""
     repo, _ = served
     serve = Serve(repo, "--drain-timeout", "0")
-    load = None
+    load = Load(serve.ports, None, clients=4, max_new_tokens=512, min_new_tokens=512)
     try:
         pid = serve.server_pid()
         shm = {s.shm for s in processes.stubs(pid).values()}
-        load = Load(serve.ports, None, clients=4, max_new_tokens=512, min_new_tokens=512)
         load.wait_ok_since(0, 2)
-        term = time.monotonic()
-        serve.proc.send_signal(signal.SIGTERM)
-        out = serve.proc.wait(timeout=60)
-        outcomes = load.finish()
-        load = None
+        term, out, outcomes = _sigterm(serve, load)
     finally:
-        if load is not None:
-            load.stop.set()
+        load.stop.set()
         serve.close()
     text = "".join(serve.lines)
     assert out == 0 and "Traceback" not in text and "error:" not in text, text
     cut = serve.wait_for("still in flight")
     assert int(cut.split("serve: ")[1].split(" request(s)")[0]) >= 1, cut
-    assert any(not ok for sent, ok, _ in outcomes if sent < term)  # a request in flight got an error, none hung
+    assert any(not o.ok for o in outcomes if o.sent < term < o.ended)  # one in flight got an error, none hung
     _nothing_left(pid, shm, serve.ports)
