@@ -1,24 +1,27 @@
-"""Soak and fault benchmark of the served text model: many requests, memory growth, and a python stub killed mid-load.
+"""Soak and fault benchmark of `t5compress serve`: many requests, memory growth, a leaf killed, a SIGTERM under load.
 
 A small random-weight model (t5-efficient-tiny-nl2 shape, byte-level vocabulary; or --model-dir / --export-dir) is
-exported, made static int8, written as a `--portable` repository and served by a real tritonserver on 127.0.0.1
-(free ports, explicit model control so a model can be reloaded). Then:
+exported, made static int8, written as a `--portable` repository (or --flavour in-process) and served by
+`t5compress serve` (a real tritonserver on 127.0.0.1, free ports), run as a child process as a user runs it. Then:
 
 - soak: --requests single-text requests from --clients threads, alternately HTTP and gRPC, bounded by --max-seconds;
   every request has a client timeout (--timeout), so a request that never answers counts as a hang instead of
   stalling the run. Errors, empty answers, answers that differ from the local runtime on the same export, latency
   percentiles, requests/s, and the RSS of the server plus its python backend stubs (from /proc) before and after,
   against a stated growth bound.
-- fault: while the clients keep sending, `kill -9` the python backend stub serving one leaf model (default the
-  decoder with past, which every generation step calls). Recorded: readiness of the server and the models over time,
-  the server's log lines, how each request around the kill ended and how long it took, then how service came back,
-  trying in order: the python backend restarting its stub itself, reloading the model through the model control API,
-  restarting the server; the first that makes the next --recovery-requests requests all succeed is recorded.
+- leaf: while the clients keep sending, `kill -9` the python backend stub serving one model (default the decoder with
+  past, the leaf every generation step calls; in-process, the text model). Recorded: how each request around the
+  kill ended and how long it took, what serve said, when serve had the server ready again, when the first request
+  sent after the kill succeeded, what the dead server left behind; the phase ends once --recovery-requests requests
+  sent after the recovery have succeeded (or after --fault-seconds).
+- sigterm: while the clients keep sending, SIGTERM to serve. Recorded: how the requests in flight and those sent
+  after the signal ended, serve's exit code and lines, how long it took to exit, processes of the server left, its
+  shared-memory regions left, and whether its three ports can be bound again.
 
-    .venv/bin/python benchmarks/triton_soak.py                      # ~3-5 min on 2 cores
-    .venv/bin/python benchmarks/triton_soak.py --requests 200 --clients 4 --out /tmp/soak
+    .venv/bin/python benchmarks/triton_soak.py                      # ~4-6 min on 2 cores
+    .venv/bin/python benchmarks/triton_soak.py --requests 300 --warmup 100 --out /tmp/soak
 
-Needs `make triton-env`. Writes benchmarks/results/current/triton_soak.json and .md (or under --out).
+Needs `make triton-env`. Writes benchmarks/results/current/triton_soak.json and .md (--out, --name).
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ import signal
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 ARCH = "t5-efficient-tiny-nl2"
 LEAVES = ("encoder", "decoder", "decoder_with_past")
+MODEL = "t5"  # the served text model's name
 RECOVERY_SECONDS = 60.0  # a recovery attempt whose requests take longer than this did not work
 STARTED = time.monotonic()
 
@@ -51,52 +53,6 @@ def say(msg: str) -> None:
 
 
 # ---- the server's processes, from /proc ------------------------------------------------------------------------
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and every process below it (the server, its python backend stubs)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-    tree, grew = [root], True
-    while grew:
-        new = [p for p, pp in parents.items() if pp in tree and p not in tree]
-        tree += new
-        grew = bool(new)
-    return tree
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def stub_model(pid: int) -> str | None:
-    """The model a python backend stub serves: its command line names the model file (<repo>/<model>/<v>/model.py)."""
-    args = _cmdline(pid)
-    if not args or not args[0].endswith("triton_python_backend_stub") or len(args) < 2:
-        return None
-    return Path(args[1]).parent.parent.name
-
-
-def stubs(server_pid: int) -> dict[str, int]:
-    """Model name -> pid of its stub (one instance per model here)."""
-    return {m: p for p in process_tree(server_pid)[1:] if (m := stub_model(p))}
-
-
-def process_state(pid: int) -> str:
-    """'running', 'sleeping', 'zombie' (dead, not yet reaped by its parent) ... or 'gone'."""
-    names = {"R": "running", "S": "sleeping", "D": "disk sleep", "Z": "zombie", "T": "stopped", "X": "dead"}
-    try:
-        code = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-    return names.get(code, code)
 
 
 def rss_mb(pid: int) -> float:
@@ -110,8 +66,13 @@ def rss_mb(pid: int) -> float:
 
 def server_memory(server_pid: int) -> dict:
     """RSS of the server and of each stub, and their sum (shared pages such as the shm regions count in each)."""
-    name = lambda p: "tritonserver" if p == server_pid else stub_model(p) or f"pid {p} ({process_state(p)})"  # noqa: E731
-    procs = {name(p): round(rss_mb(p), 1) for p in process_tree(server_pid)}
+    from t5compress.triton import processes
+
+    def name(p: int) -> str:
+        stub = processes.stub_of(p)
+        return "tritonserver" if p == server_pid else stub.model if stub else f"pid {p} ({processes.state(p)})"
+
+    procs = {name(p): round(rss_mb(p), 1) for p in processes.tree(server_pid)}
     return {"total_mb": round(sum(procs.values()), 1), "processes": procs}
 
 
@@ -134,6 +95,7 @@ class Load:
         self.server, self.model, self.texts, self.want = server, model, texts, want
         self.timeout, self.settings = timeout, settings
         self.samples: list[dict] = []  # server RSS at each progress line: does it level off or keep growing?
+        self.outcomes_so_far: list[Outcome] = []
 
     def _client(self, protocol: str):
         if protocol == "http":
@@ -167,6 +129,7 @@ class Load:
         """Up to `requests` requests within `max_seconds` (or until `stop`); outcomes, wall seconds, stuck threads."""
         stop = stop or threading.Event()
         outcomes: list[Outcome] = []
+        self.outcomes_so_far = outcomes  # read while it runs (appends only)
         lock, counter = threading.Lock(), iter(range(requests))
         t0 = time.perf_counter()
         deadline = t0 + max_seconds
@@ -184,6 +147,7 @@ class Load:
                     outcomes.append(outcome)
                 if outcome.status in ("error", "timeout"):  # a connection that failed is not reused
                     _close(client)
+                    time.sleep(0.1)  # as a client with a retry loop would: refusals are counted, not hammered
                     client = self._client(protocol)
             _close(client)
 
@@ -262,154 +226,196 @@ def prepare(args, work: Path) -> tuple[Path, str]:
     return work / "int8", f"{what}, static int8 ONNX"
 
 
-def serve(repo: Path, log_path: Path):
-    from t5compress.triton.server import Ports, find_server, start
+class ServeProcess:
+    """`t5compress serve REPO` as a child process, as a user runs it; its lines kept, the server's pid followed."""
 
-    # Explicit model control (every model loaded at start) so that a model can be reloaded during the fault phase.
-    return start(find_server(), repo, Ports.free(), log_path=log_path, wait=180,
-                 extra_args=("--model-control-mode=explicit", "--load-model=*"))
+    def __init__(self, repo: Path, log_path: Path, *options: str) -> None:
+        import subprocess
+        import sys
+
+        from t5compress.triton.server import Ports
+
+        self.ports = Ports.free()
+        self.http_url, self.grpc_url = f"127.0.0.1:{self.ports.http}", f"127.0.0.1:{self.ports.grpc}"
+        argv = [sys.executable, "-m", "t5compress.cli", "serve", str(repo), "--http-port", str(self.ports.http),
+                "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics), "--log-file",
+                str(log_path), *options]
+        env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "COLUMNS": "400"}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[tuple[float, str]] = []  # (perf_counter when read, line)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self.lines.append((time.perf_counter(), line.rstrip()))
+            say(f"  serve: {line.rstrip()}")
+
+    def wait_for(self, needle: str, count: int = 1, timeout: float = 240) -> tuple[float, str]:
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            found = [x for x in self.lines if needle in x[1]]
+            if len(found) >= count:
+                return found[count - 1]
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise SystemExit(f"serve never said {needle!r}: " + " | ".join(ln for _, ln in self.lines[-8:]))
+
+    @property
+    def pid(self) -> int:
+        """The tritonserver serving now (the last 'ready (pid N)' line)."""
+        last = [ln for _, ln in self.lines if ln.startswith("ready (pid ")][-1]
+        return int(last.split("pid ")[1].split(")")[0])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def index_state(http_url: str, model: str) -> str:
-    """The model's state in the repository index (POST /v2/repository/index), e.g. READY or UNAVAILABLE."""
-    try:
-        req = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b"{}", method="POST")
-        with urllib.request.urlopen(req, timeout=2) as r:
-            entries = json.loads(r.read())
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return f"no answer ({type(e).__name__})"
-    states = [f"v{e.get('version', '?')} {e.get('state', '?')}" for e in entries if e.get("name") == model]
-    return ", ".join(states) or "absent"
+def left_behind(server_pid: int, shm: set[str], ports=None) -> dict:
+    """What a server that should be gone left: live processes of its group, its stubs' shm regions, ports taken."""
+    import socket
+
+    from t5compress.triton import processes
+
+    taken = []
+    for port in (ports.http, ports.grpc, ports.metrics) if ports else ():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(port)
+    return {"processes": len(processes.group(server_pid)),
+            "shm_regions": sum((processes.SHM_DIR / n).exists() for n in shm), "ports_taken": taken}
 
 
-def http_ready(url: str) -> str:
-    """'ready', 'not ready (HTTP 400)' or why there was no answer; 2 s timeout."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return "ready" if r.status == 200 else f"not ready (HTTP {r.status})"
-    except urllib.error.HTTPError as e:
-        return f"not ready (HTTP {e.code})"
-    except (urllib.error.URLError, OSError) as e:
-        return f"no answer ({type(e).__name__})"
+def _sender(load: Load, clients: int, seconds: float) -> tuple[threading.Thread, threading.Event, dict, float]:
+    """Clients sending in the background until the event is set; their outcomes land in the dict."""
+    stop, box = threading.Event(), {}
 
+    def send() -> None:  # far more requests than can be sent in the time
+        box["outcomes"], box["wall"], box["stuck"] = load.run(10**9, clients, seconds, stop)
 
-# ---- the fault phase -------------------------------------------------------------------------------------------
-
-
-def fault(server, load: Load, args, leaf: str, log_path: Path) -> tuple[dict, object]:
-    """Kill `leaf`'s stub under load; watch; restore service. Returns the record and the server now serving."""
-    stop = threading.Event()
-    box: dict = {}
-
-    def send() -> None:  # until `stop`: far more requests than can be sent in the time
-        box["outcomes"], box["wall"], box["stuck"] = load.run(10**9, args.clients, args.fault_seconds + 60, stop)
-
-    sender = threading.Thread(target=send, daemon=True)
     t0 = time.perf_counter()
-    sender.start()
-    time.sleep(args.settle)
-    victim = stubs(server.pid).get(leaf)
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, stop, box, t0
+
+
+# ---- the leaf phase: a stub killed under load ------------------------------------------------------------------
+
+
+def leaf_fault(serve: ServeProcess, load: Load, args, model: str) -> dict:
+    """kill -9 `model`'s stub under load; serve restarts the server; until --recovery-requests succeed again."""
+    from t5compress.triton import processes
+
+    old = serve.pid
+    stubs = processes.stubs(old)
+    victim = next((p for p, s in stubs.items() if s.model == model), None)
     if victim is None:
-        stop.set()
-        raise SystemExit(f"no python backend stub serving {leaf} under server pid {server.pid}")
-    log_offset = log_path.stat().st_size
-    urls = {"server": f"http://{server.http_url}/v2/health/ready", leaf: f"http://{server.http_url}/v2/models/{leaf}"
-            "/ready", args.name: f"http://{server.http_url}/v2/models/{args.name}/ready"}
-    say(f"fault: kill -9 {victim} (python backend stub of {leaf}); {args.clients} clients keep sending")
+        raise SystemExit(f"no python backend stub serving {model} under server pid {old}")
+    thread, stop, box, t0 = _sender(load, args.clients, args.fault_seconds + 120)
+    time.sleep(args.settle)
+    say(f"leaf: kill -9 {victim} (python backend stub of {model}); {args.clients} clients keep sending")
     os.kill(victim, signal.SIGKILL)
     killed = time.perf_counter() - t0
-    timeline, last, checks = [], None, Counter()
-    while time.perf_counter() - t0 < killed + args.fault_seconds:
-        state = {k: http_ready(u) for k, u in urls.items()}
-        state["index"] = index_state(server.http_url, leaf)
-        state["killed_stub"] = process_state(victim)
-        state["stub_pid"] = stubs(server.pid).get(leaf)
-        checks.update(["checks"] + [f"{k} ready" for k in urls if state[k] == "ready"])
-        if state != last:
-            timeline.append({"t_after_kill_s": round(time.perf_counter() - t0 - killed, 2), **state})
-            say(f"  +{timeline[-1]['t_after_kill_s']:.1f}s {state}")
-            last = state
-        time.sleep(0.25)
+    record: dict = {"model": model, "stub_pid": victim, "killed_at_s": round(killed, 2)}
+    try:
+        said, line = serve.wait_for("ready again after", timeout=args.fault_seconds + 60)
+        record["ready_again_after_kill_s"] = round(said - t0 - killed, 2)
+        record["serve_said"] = [ln for at, ln in serve.lines if at - t0 >= killed and "serve:" in ln]
+    except SystemExit as e:
+        record["ready_again_after_kill_s"] = None
+        record["serve_said"] = [str(e)]
+    record["old_server_left"] = left_behind(old, {s.shm for s in stubs.values()})
+    deadline = time.perf_counter() + args.fault_seconds
+    while time.perf_counter() < deadline:  # until enough requests sent after recovery have succeeded
+        done = list(load.outcomes_so_far)
+        back = record["ready_again_after_kill_s"]
+        if back is not None and sum(o.status == "ok" and o.start >= killed + back for o in done) \
+                >= args.recovery_requests:
+            break
+        time.sleep(0.2)
     stop.set()
-    sender.join(args.timeout + 30)
-    watched = log_path.read_bytes()[log_offset:].decode(errors="replace").splitlines()
+    thread.join(args.timeout + 30)
     outcomes = box.get("outcomes", [])
-    around = classify_around(outcomes, killed)
-    record = {"leaf": leaf, "stub_pid": victim, "killed_at_s": round(killed, 2), "timeline": timeline,
-              "readiness_checks": dict(checks),
-              "requests": around, "stuck_threads": box.get("stuck", "sender did not return"),
-              "server_alive": server.process.poll() is None, "log_lines_while_watching": len(watched)}
-    say(f"fault: requests that ended after the kill {json.dumps(around['after_kill'])}")
-    record["recovery"], server = recover(server, load, args, leaf)
-    with open(log_path, "rb") as f:  # everything the first server wrote from the kill on, recovery included
-        f.seek(log_offset)
-        record["log"] = [ln[:240] for ln in f.read().decode(errors="replace").splitlines()][:40]
-    return record, server
+    record["requests"] = classify_around(outcomes, killed)
+    record["stuck_threads"] = box.get("stuck", "sender did not return")
+    back = record["ready_again_after_kill_s"]
+    record["after_recovery"] = dict(Counter(o.status for o in outcomes if back is not None and
+                                            o.start >= killed + back))
+    say(f"leaf: requests that ended after the kill {json.dumps(record['requests']['after_kill'])}; after the "
+        f"recovery {record['after_recovery']}")
+    return record
 
 
 def classify_around(outcomes: list[Outcome], killed: float) -> dict:
-    """Requests that ended before the kill, and those in flight or sent after it (how they ended, how fast)."""
+    """Requests that ended before the event, and those in flight or sent after it (how they ended, how fast)."""
     before = [o for o in outcomes if o.start + o.seconds < killed]
     after = sorted((o for o in outcomes if o.start + o.seconds >= killed), key=lambda o: o.start)
     failed = [o for o in after if o.status in ("error", "timeout")]
     first_ok = next((o for o in after if o.status == "ok" and o.start >= killed), None)
     return {
-        "before_kill": dict(Counter(o.status for o in before)),
+        "sent": len(outcomes),
+        "before": dict(Counter(o.status for o in before)),
         "after_kill": dict(Counter(o.status for o in after)),
-        "in_flight_at_kill": dict(Counter(o.status for o in after if o.start < killed)),
+        "in_flight": dict(Counter(o.status for o in after if o.start < killed)),
+        "sent_after": dict(Counter(o.status for o in after if o.start >= killed)),
         "hangs": sum(o.status == "timeout" for o in after),
         "failure_p50_s": round(float(np.median([o.seconds for o in failed])), 2) if failed else None,
         "slowest_failure_s": round(max((o.seconds for o in failed), default=0.0), 2),
         "failures_end_by_s": round(max((o.start + o.seconds - killed for o in failed), default=0.0), 2),
         "first_ok_sent_after_s": round(first_ok.start - killed, 2) if first_ok else None,
-        "messages": dict(Counter(o.message for o in failed).most_common(5)),
+        "messages": dict(Counter(o.message for o in failed).most_common(6)),
+        "in_flight_messages": dict(Counter(o.message for o in failed if o.start < killed)),
     }
 
 
-def recover(server, load: Load, args, leaf: str) -> tuple[list[dict], object]:
-    """Try the python backend's own restart, then a model reload, then a server restart; stop at the first to work."""
-    import tritonclient.http as http
+# ---- the sigterm phase: serve stopped under load -------------------------------------------------------------
 
-    attempts = []
 
-    def probe(method: str, seconds: float) -> bool:
-        outcomes, wall, stuck = load.run(args.recovery_requests, args.clients, RECOVERY_SECONDS)
-        s = summary(outcomes, wall)
-        ok = s["ok"] + s["mismatch"] == args.recovery_requests and not stuck
-        attempts.append({"method": method, "action_s": round(seconds, 2), "restored": ok, "stuck": stuck,
-                         **{k: s[k] for k in ("requests", "ok", "mismatch", "empty", "errors", "timeouts", "p50_ms",
-                                              "messages")}})
-        say(f"recovery by {method}: {s['ok']}/{args.recovery_requests} ok, {s['errors']} errors, "
-            f"{s['timeouts']} timeouts")
-        return ok
+def sigterm(serve: ServeProcess, load: Load, args) -> dict:
+    """SIGTERM to serve while the clients send; how every request ended, how serve exited, what was left."""
+    from t5compress.triton import processes
 
-    if probe("waiting (for the python backend to restart its stub)", 0.0):
-        return attempts, server
-    t = time.perf_counter()
+    server = serve.pid
+    shm = {s.shm for s in processes.stubs(server).values()}
+    thread, stop, box, t0 = _sender(load, args.clients, args.settle + 120)
+    time.sleep(args.settle)
+    say(f"sigterm: kill -TERM {serve.proc.pid} (serve) under load")
+    serve.proc.send_signal(signal.SIGTERM)
+    signalled = time.perf_counter() - t0
     try:
-        client = http.InferenceServerClient(server.http_url, network_timeout=120)
-        client.load_model(leaf)  # in explicit mode this reloads a loaded model
-        client.close()
-    except Exception as e:
-        attempts.append({"method": f"model control API: load_model({leaf})", "restored": False,
-                         "error": str(e)[:300]})
-    else:
-        if probe(f"model control API: load_model({leaf})", time.perf_counter() - t):
-            return attempts, server
-    t = time.perf_counter()
-    server.stop()
-    server = serve(args.repo, args.log_path.with_suffix(".restart.log"))
-    load.server = server
-    probe("server restart", time.perf_counter() - t)
-    return attempts, server
-
+        code = serve.proc.wait(90)
+    except Exception:  # noqa: BLE001 -- serve did not exit: that is the result
+        code = None
+    exited = time.perf_counter() - t0
+    stopped = next((at - t0 for at, ln in serve.lines if ln.startswith("tritonserver stopped")), None)
+    time.sleep(2)  # requests sent after serve exited: refused (connection refused), counted too
+    stop.set()
+    thread.join(args.timeout + 30)
+    outcomes = box.get("outcomes", [])
+    record = {"signalled_at_s": round(signalled, 2), "serve_exit_code": code,
+              "serve_exit_s": round(exited - signalled, 2) if code is not None else None,
+              "server_stopped_s": round(stopped - signalled, 2) if stopped is not None else None,
+              "requests": classify_around(outcomes, signalled),
+              "stuck_threads": box.get("stuck", "sender did not return"),
+              "serve_said": [ln for at, ln in serve.lines if at - t0 >= signalled],
+              "left": left_behind(server, shm, serve.ports)}
+    say(f"sigterm: serve exited {code} after {record['serve_exit_s']} s; requests {record['requests']['after_kill']}"
+        f"; left {record['left']}")
+    return record
 
 # ---- report ----------------------------------------------------------------------------------------------------
 
 
 def markdown(r: dict) -> str:
-    s, m, f = r["soak"], r["memory"], r.get("fault")
-    lines = [f"Triton soak: {r['model']}, portable repository, {r['machine']}", "",
+    s, m = r["soak"], r["memory"]
+    lines = ["# Triton soak: `t5compress serve` under load, a leaf killed, a SIGTERM", "",
+             f"{r['model']}, {r['flavour']} repository, served by `t5compress serve` (a child process, "
+             f"`{' '.join(r['serve_options'])}`), {r['machine']}; one run.", "",
              f"Soak: {s['requests']} requests from {r['clients']} clients (HTTP and gRPC alternately), "
              f"{r['settings']['max_new_tokens']} new tokens forced, client timeout {r['timeout_s']:g} s: "
              f"**{'pass' if r['soak_pass'] else 'FAIL'}**", "",
@@ -423,46 +429,50 @@ def markdown(r: dict) -> str:
              f"- growth over the second half of the soak: {m['mb_per_1000_requests_second_half']} MB per 1000 "
              "requests; RSS as the soak went on (requests done: total MB / tritonserver alone MB): "
              + ", ".join(f"{x['requests']}: {x['total_mb']} / {x['tritonserver_mb']}" for x in m["series"]),
-             "- per process, MB (ready → after warm-up → after the soak): "
-             + ", ".join(f"{k} {m['at_ready']['processes'].get(k)} → {v} → {m['after']['processes'].get(k)}"
-                         for k, v in m["before"]["processes"].items()),
              "- mismatch = answered with a text other than the local runtime's on the same export and text"]
-    if f:
-        a, c = f["requests"], f["readiness_checks"]
-        lines += ["", f"Fault: `kill -9` of the python backend stub of `{f['leaf']}` (pid {f['stub_pid']}) under "
-                  f"load, {f['killed_at_s']} s into the phase", "",
-                  f"- requests that ended after the kill: {a['after_kill']} (in flight at the kill: "
-                  f"{a['in_flight_at_kill']}); hangs (client timeout hit): {a['hangs']}; a failure took "
-                  f"{a['failure_p50_s']} s (median), {a['slowest_failure_s']} s at most; the last ended "
-                  f"{a['failures_end_by_s']} s after the kill; "
-                  + (f"first success sent {a['first_ok_sent_after_s']} s after the kill"
-                     if a["first_ok_sent_after_s"] is not None else "no request sent after the kill succeeded"),
-                  "- errors seen: " + "; ".join(f"`{k}` x{v}" for k, v in a["messages"].items()),
-                  f"- server process alive after the kill: {f['server_alive']}; of {c['checks']} readiness checks "
-                  f"in the {r['fault_seconds']:g} s after it, the server answered ready to "
-                  f"{c.get('server ready', 0)}, "
-                  f"the killed model to {c.get(f['leaf'] + ' ready', 0)}, the text model to "
-                  f"{c.get(r['name'] + ' ready', 0)}", "",
-                  "Readiness over time (HTTP /v2/health/ready and /v2/models/M/ready, as the clients' is_server_ready "
-                  "and is_model_ready ask; the repository index's state; the killed stub's process state; the pid of "
-                  "a stub now serving the model):", "",
-                  "| after kill s | server | killed model | text model | index | killed stub | stub pid now |",
-                  "|---:|---|---|---|---|---|---:|"]
-        lines += [f"| {t['t_after_kill_s']} | {t['server']} | {t[f['leaf']]} | {t[r['name']]} | {t['index']} | "
-                  f"{t['killed_stub']} | {t['stub_pid']} |" for t in f["timeline"]]
-        lines += ["", f"The server logged {f['log_lines_while_watching']} lines in the {r['fault_seconds']:g} s "
-                  "after the kill; everything it logged from the kill through the recovery (at most 40 lines):",
-                  "", "```",
-                  *f["log"], "```", "",
-                  "| recovery tried | ok | requests | errors | hangs | p50 ms |", "|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {a['method']} | {a['restored']} | {a.get('requests', '-')} | "
-                  f"{a.get('errors', a.get('error', '-'))} | {a.get('timeouts', '-')} | {a.get('p50_ms', '-')} |"
-                  for a in f["recovery"]]
-        lines += ["", f"Fault phase: **{'pass' if r['fault_pass'] else 'FAIL'}** (no hang, service restored by: "
-                  f"{r['recovered_by']})", "",
-                  f"The last server's exit code on SIGTERM: {r['server_exit_code']}; the end of its log:", "", "```",
-                  *r.get("shutdown_log", []), "```"]
+    if "leaf" in r:
+        f, a = r["leaf"], r["leaf"]["requests"]
+        lines += ["", f"## A leaf killed: `kill -9` of the python backend stub of `{f['model']}` under load: "
+                  f"**{'pass' if r['leaf_pass'] else 'FAIL'}**", "",
+                  "| requests sent in the phase | ended before the kill | in flight at the kill | sent after it "
+                  "| hangs | serve had the server ready again | first success sent after the kill |",
+                  "|---:|---|---|---|---:|---:|---:|",
+                  f"| {a['sent']} | {_counts(a['before'])} | {_counts(a['in_flight'])} | {_counts(a['sent_after'])} "
+                  f"| {a['hangs']} | {_s(f['ready_again_after_kill_s'])} after the kill | "
+                  f"{_s(a['first_ok_sent_after_s'])} |", "",
+                  f"- a failed request took {_s(a['failure_p50_s'])} (median), {_s(a['slowest_failure_s'])} at most; "
+                  f"the last failure ended {_s(a['failures_end_by_s'])} after the kill",
+                  "- errors the clients got: " + "; ".join(f"`{k}` x{v}" for k, v in a["messages"].items()),
+                  "- of those, the requests in flight at the kill: "
+                  + ("; ".join(f"`{k}` x{v}" for k, v in a["in_flight_messages"].items()) or "none"),
+                  f"- requests sent after the server was ready again: {_counts(f['after_recovery'])}",
+                  f"- the killed server left: {f['old_server_left']['processes']} processes, "
+                  f"{f['old_server_left']['shm_regions']} shared-memory regions",
+                  "- serve said: " + " / ".join(f"`{ln}`" for ln in f["serve_said"])]
+    if "sigterm" in r:
+        t, a = r["sigterm"], r["sigterm"]["requests"]
+        lines += ["", f"## SIGTERM to serve under load: **{'pass' if r['sigterm_pass'] else 'FAIL'}**", "",
+                  "| requests sent in the phase | in flight at the signal | sent after it | hangs | serve exit code "
+                  "| server stopped after | serve exited after | processes left | shm regions left "
+                  "| ports still taken |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+                  f"| {a['sent']} | {_counts(a['in_flight'])} | {_counts(a['sent_after'])} | {a['hangs']} | "
+                  f"{t['serve_exit_code']} | {_s(t['server_stopped_s'])} | {_s(t['serve_exit_s'])} | "
+                  f"{t['left']['processes']} | "
+                  f"{t['left']['shm_regions']} | {t['left']['ports_taken'] or 'none'} |", "",
+                  "- errors the clients got: " + "; ".join(f"`{k}` x{v}" for k, v in a["messages"].items()),
+                  "- of those, the requests in flight at the signal: "
+                  + ("; ".join(f"`{k}` x{v}" for k, v in a["in_flight_messages"].items()) or "none"),
+                  "- serve said: " + " / ".join(f"`{ln}`" for ln in t["serve_said"])]
     return "\n".join(lines) + "\n"
+
+
+def _counts(c: dict) -> str:
+    return ", ".join(f"{v} {k}" for k, v in sorted(c.items())) or "none"
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x} s"
 
 
 def main() -> None:
@@ -476,15 +486,19 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, help="serve this model dir (exported here) instead of a random one")
     ap.add_argument("--export-dir", type=Path, help="serve this ONNX export dir as it is")
     ap.add_argument("--no-int8", action="store_true", help="serve the fp32 export")
+    ap.add_argument("--flavour", choices=("portable", "in-process"), default="portable",
+                    help="portable: leaf models in their own processes; in-process: the default repository")
     ap.add_argument("--no-fault", action="store_true", help="soak only")
-    ap.add_argument("--fault-model", choices=LEAVES, default="decoder_with_past", help="leaf whose stub is killed")
-    ap.add_argument("--fault-seconds", type=float, default=20.0, help="watch this long after the kill")
-    ap.add_argument("--settle", type=float, default=3.0, help="seconds of load before the kill")
-    ap.add_argument("--recovery-requests", type=int, default=50, help="requests that must all succeed after recovery")
+    ap.add_argument("--fault-model", choices=LEAVES, default="decoder_with_past",
+                    help="leaf whose stub is killed (portable; in-process kills the text model's)")
+    ap.add_argument("--fault-seconds", type=float, default=60.0, help="at most this long after the kill")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds of load before the kill and the SIGTERM")
+    ap.add_argument("--recovery-requests", type=int, default=50, help="successes after the recovery that end it")
+    ap.add_argument("--drain-timeout", type=int, default=10, help="serve --drain-timeout")
     ap.add_argument("--workdir", type=Path, help="model, export, repository and server log (default: a temp dir)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current", help="where triton_soak.json and .md go")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "current", help="where NAME.json and .md go")
+    ap.add_argument("--name", default="triton_soak", help="file name of the results, without extension")
     args = ap.parse_args()
-    args.name = "t5"
 
     from t5compress.bench.inputs import generated_texts
     from t5compress.runtime import load_runtime
@@ -494,33 +508,32 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     say(f"building the model and export in {work}")
     export_dir, what = prepare(args, work)
-    args.repo, args.log_path = work / "repo", work / "server.log"
-    run(export_dir, TritonConfig(name=args.name, portable=True, max_batch_size=args.clients), args.repo, force=True)
+    repo, log_path = work / "repo", work / "server.log"
+    run(export_dir, TritonConfig(name=MODEL, portable=args.flavour == "portable", max_batch_size=args.clients),
+        repo, force=True)
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}
     texts = generated_texts(64, 7)
     rt = load_runtime(export_dir, threads=1)
     want = {t: rt.generate_text([t], **settings)[0] for t in texts}  # what each answer must be
-    say(f"repository {args.repo}; starting tritonserver")
-    server = serve(args.repo, args.log_path)
-    record: dict = {"model": what, "clients": args.clients, "timeout_s": args.timeout, "settings": settings,
-                    "fault_seconds": args.fault_seconds, "warmup": args.warmup,
-                    "name": args.name, "machine": f"{os.cpu_count()} CPUs", "server_log": str(args.log_path)}
+    options = ["--drain-timeout", str(args.drain_timeout), "--restarts", "1"]
+    say(f"repository {repo}; starting t5compress serve {' '.join(options)}")
+    serve = ServeProcess(repo, log_path, *options)
+    record: dict = {"model": what, "flavour": args.flavour, "serve_options": options, "clients": args.clients,
+                    "timeout_s": args.timeout, "settings": settings, "warmup": args.warmup,
+                    "machine": f"{os.cpu_count()} CPUs", "server_log": str(log_path)}
     try:
-        load = Load(server, args.name, texts, want, args.timeout, settings)
-        at_ready = server_memory(server.pid)
+        serve.wait_for("ready (pid")
+        load = Load(serve, MODEL, texts, want, args.timeout, settings)
+        at_ready = server_memory(serve.pid)
         # Warm-up, not counted: measured here (results/archive/triton_soak_long.md), the server's RSS jumps by
-        # ~180 MB in the first few hundred requests (tritonserver itself more than doubles, each stub grows by tens
-        # of MB; likely allocator arenas and buffers for new batch shapes), then creeps up by ~4-6 MB per 1000
-        # requests.
-        # A "before" taken after a few requests would mostly measure that first jump.
-        say(f"ready (pid {server.pid}), RSS {at_ready['total_mb']} MB; warm-up: {args.warmup} requests")
+        # ~180 MB in the first few hundred requests (portable), then creeps up by ~4-6 MB per 1000 requests.
+        say(f"ready (pid {serve.pid}), RSS {at_ready['total_mb']} MB; warm-up: {args.warmup} requests")
         warm = load.run(args.warmup, args.clients, args.max_seconds)[0]
         record["warmup_statuses"] = dict(Counter(o.status for o in warm))
-        before = server_memory(server.pid)
-        say(f"RSS {before['total_mb']} MB after warm-up ({dict(Counter(o.status for o in warm))}); soak: "
-            f"{args.requests} requests, {args.clients} clients, at most {args.max_seconds:g} s")
+        before = server_memory(serve.pid)
+        say(f"soak: {args.requests} requests, {args.clients} clients, at most {args.max_seconds:g} s")
         outcomes, wall, stuck = load.run(args.requests, args.clients, args.max_seconds, progress=10)
-        after = server_memory(server.pid)
+        after = server_memory(serve.pid)
         series = [{"requests": 0, "total_mb": before["total_mb"],
                    "tritonserver_mb": before["processes"]["tritonserver"]}, *load.samples,
                   {"requests": len(outcomes), "total_mb": after["total_mb"],
@@ -536,26 +549,30 @@ def main() -> None:
                             "pass": after["total_mb"] <= limit}
         record["soak_pass"] = (s["requests"] == args.requests and s["errors"] + s["timeouts"] + s["empty"] == 0
                                and not stuck and record["memory"]["pass"])
-        say(f"soak: {s['requests']} requests, {s['ok']} ok, {s['mismatch']} mismatch, {s['empty']} empty, "
-            f"{s['errors']} errors, {s['timeouts']} hangs; p50/p90/p99 {s['p50_ms']}/{s['p90_ms']}/{s['p99_ms']} ms, "
-            f"{s['requests_per_s']} req/s; RSS {before['total_mb']} -> {after['total_mb']} MB")
+        say(f"soak: {s['requests']} requests, {s['ok']} ok, {s['mismatch']} mismatch, {s['errors']} errors, "
+            f"{s['timeouts']} hangs; p50/p90/p99 {s['p50_ms']}/{s['p90_ms']}/{s['p99_ms']} ms")
         if not args.no_fault:
-            record["fault"], server = fault(server, load, args, f"{args.name}_{args.fault_model}", args.log_path)
-            worked = [a["method"] for a in record["fault"]["recovery"] if a["restored"]]
-            record["recovered_by"] = worked[0] if worked else "nothing tried worked"
-            record["fault_pass"] = bool(worked) and record["fault"]["requests"]["hangs"] == 0 and \
-                record["fault"]["stuck_threads"] == 0
-            record["memory"]["after_fault"] = server_memory(server.pid)
+            model = MODEL if args.flavour == "in-process" else f"{MODEL}_{args.fault_model}"
+            f = record["leaf"] = leaf_fault(serve, load, args, model)
+            a = f["requests"]
+            record["leaf_pass"] = (a["hangs"] == 0 and f["stuck_threads"] == 0 and f["ready_again_after_kill_s"]
+                                   is not None and f["after_recovery"].get("ok", 0) >= args.recovery_requests
+                                   and set(f["after_recovery"]) <= {"ok"} and a["after_kill"].get("mismatch", 0)
+                                   == 0 and f["old_server_left"]["processes"] == 0
+                                   and f["old_server_left"]["shm_regions"] == 0)
+            t = record["sigterm"] = sigterm(serve, load, args)
+            record["sigterm_pass"] = (t["serve_exit_code"] == 0 and t["requests"]["hangs"] == 0 and
+                                      t["stuck_threads"] == 0 and not t["left"]["ports_taken"] and
+                                      t["left"]["processes"] == 0 and t["left"]["shm_regions"] == 0 and
+                                      t["requests"]["after_kill"].get("mismatch", 0) == 0)
     finally:
-        record["server_exit_code"] = server.stop()
-        if server.log_path and server.log_path.is_file():  # how the last server shut down
-            record["shutdown_log"] = [ln[:240] for ln in server.log_path.read_text(errors="replace").splitlines()[-6:]]
+        serve.close()
     record["machine"] += f", load average {os.getloadavg()[0]:.1f} at the end"
     from t5compress.bench.stamp import write_result
 
-    write_result(args.out / "triton_soak", record, markdown(record))
+    write_result(args.out / args.name, record, markdown(record))
     print(markdown(record), flush=True)
-    say(f"results → {args.out / 'triton_soak.json'} and .md")
+    say(f"results → {args.out / args.name}.json and .md")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,6 +19,31 @@ from t5compress.errors import DataError
 BOM = b"\xef\xbb\xbf"
 STDIN = "<stdin>"
 MAX_LINE = 64 << 20  # bytes in one line of text: far more than any model reads as one input
+# What a command that holds all of its input in memory (`generate`) reads at most, over every source together: a day
+# of generation on a CPU is well under a million inputs, and a million short lines already cost ~100 MB as Python
+# strings; endless input (`yes | t5compress generate DIR -`) is refused here instead of exhausting memory.
+MAX_INPUT_LINES = 1_000_000
+MAX_INPUT_BYTES = 256 << 20
+
+
+@dataclass
+class Budget:
+    """Lines and bytes read so far by one command over all its sources, refused past the limits."""
+
+    max_lines: int = MAX_INPUT_LINES
+    max_bytes: int = MAX_INPUT_BYTES
+    lines: int = 0
+    bytes: int = 0
+
+    def take(self, size: int, where: str) -> None:
+        """Count one line of `size` bytes read at `where`; a DataError once the input is over a limit."""
+        self.lines, self.bytes = self.lines + 1, self.bytes + size
+        if self.lines > self.max_lines:
+            raise DataError(f"{where}: more than {self.max_lines:,} lines of input; every input is read before "
+                            "generation starts: split it into several runs")
+        if self.bytes > self.max_bytes:
+            raise DataError(f"{where}: more than {self.max_bytes >> 20} MB of input; every input is read before "
+                            "generation starts: split it into several runs")
 
 
 def _bounded(stream: BinaryIO) -> Iterator[bytes]:
@@ -47,28 +73,33 @@ def _open(path: Path, what: str) -> BinaryIO:
         raise DataError(f"cannot read {what} '{path}': {why}") from None
 
 
-def numbered_lines(raw_lines: Iterable[bytes] | BinaryIO, name: str) -> Iterator[tuple[int, str]]:
+def numbered_lines(raw_lines: Iterable[bytes] | BinaryIO, name: str,
+                   budget: Budget | None = None) -> Iterator[tuple[int, str]]:
     """(line number, text without its line ending) of a byte stream, every line decoded as UTF-8; a line longer than
     MAX_LINE is a DataError (what a file without line breaks, such as /dev/zero, would otherwise become: memory
-    exhausted by one line)."""
+    exhausted by one line), and so is input past `budget`, when given."""
     offset = 0
     for lineno, raw in enumerate(_bounded(raw_lines) if hasattr(raw_lines, "readline") else raw_lines, 1):
         if len(raw) > MAX_LINE:
             raise DataError(f"{name}:{lineno}: a line longer than {MAX_LINE >> 20} MB; give text, one input per line")
+        if budget is not None:
+            budget.take(len(raw), f"{name}:{lineno}")
         skip = len(BOM) if lineno == 1 and raw.startswith(BOM) else 0
         yield lineno, decode(raw[skip:], f"{name}:{lineno}", offset + skip).rstrip("\r\n")
         offset += len(raw)
 
 
-def read_lines(path: str | os.PathLike, what: str = "file") -> Iterator[tuple[int, str]]:
-    """(line number, text) of a file, or of stdin for '-'; errors name `what` and the path."""
+def read_lines(path: str | os.PathLike, what: str = "file", budget: Budget | None = None
+               ) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a file, or of stdin for '-'; errors name `what` and the path. With `budget`, lines
+    count against it (shared by every source a command reads)."""
     if str(path) == "-":
         stdin = getattr(sys.stdin, "buffer", None)  # bytes; a replaced sys.stdin may be text only
         raw = stdin if stdin is not None else (line.encode("utf-8", "surrogateescape") for line in sys.stdin)
-        yield from numbered_lines(raw, STDIN)
+        yield from numbered_lines(raw, STDIN, budget)
         return
     with _open(Path(path), what) as f:
-        yield from numbered_lines(f, str(path))
+        yield from numbered_lines(f, str(path), budget)
 
 
 def read_text(path: str | os.PathLike, what: str = "file") -> str:

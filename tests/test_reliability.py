@@ -281,6 +281,34 @@ def test_smaller_ones_are_one_line(ws, tmp_path, name, argv, needle):
     assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "file").read_text() == "mine"
 
 
+def test_endless_lines_are_refused_before_any_generation(ws):
+    """`yes | t5compress generate DIR -`: every line is short, so only the bound on the whole input stops it: one
+    line and exit 2 after a million lines, nothing generated (all input is read before the model is loaded)."""
+    yes = subprocess.Popen(["yes", "hello"], stdout=subprocess.PIPE)
+    try:
+        done = subprocess.run([*CLI, "generate", str(ws / "onnx"), "-"], stdin=yes.stdout, capture_output=True,
+                              text=True, env=ENV, timeout=120)
+    finally:
+        yes.kill()
+        yes.wait()
+    assert done.returncode == 2 and done.stdout == "", done
+    _one_line(done.stderr, "<stdin>:1000001: more than 1,000,000 lines of input")
+
+
+def test_the_input_bound_counts_bytes_and_every_source_together():
+    from t5compress.errors import DataError
+    from t5compress.textio import Budget, numbered_lines
+
+    budget = Budget(max_lines=5, max_bytes=20)
+    assert [t for _, t in numbered_lines([b"0123456789\n"], "a", budget)] == ["0123456789"]
+    with pytest.raises(DataError, match=r"^b:1: more than 0 MB of input"):  # 11 + 11 bytes > 20
+        list(numbered_lines([b"0123456789\n"], "b", budget))
+    budget = Budget(max_lines=3)
+    list(numbered_lines([b"x\n", b"y\n"], "a", budget))
+    with pytest.raises(DataError, match=r"^b:2: more than 3 lines of input"):  # the second source's second line
+        list(numbered_lines([b"x\n", b"y\n"], "b", budget))
+
+
 # --- 5. option values are not input paths ---------------------------------------------------------------------------
 
 # (id, command run in a folder holding empty dirs named like option values; what it writes there)

@@ -11,7 +11,7 @@ import typer
 
 from t5compress.cli.common import Device, Threads, command, err_console, fail, stdin_is_piped
 from t5compress.errors import DataError
-from t5compress.textio import STDIN, argument, check_text, read_lines
+from t5compress.textio import STDIN, Budget, argument, check_text, read_lines
 
 DEFAULT_FIELDS = ("source", "text")  # tried in order when --field is not given
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -120,19 +120,22 @@ def _one_line(text: str) -> str:
 
 
 def _collect_inputs(texts: list[str], input_file: Path | None, field: str | None) -> list[str]:
+    """Every input, read before any work; all sources together within one textio.Budget (endless input is one
+    line, not exhausted memory)."""
     inputs: list[str] = []
+    budget = Budget()
     for number, t in enumerate(texts, 1):
         if t == "-":
-            inputs += _read_lines(read_lines("-"), STDIN, field, jsonl=None)
+            inputs += _read_lines(read_lines("-", budget=budget), STDIN, field, jsonl=None)
         else:
             inputs.append(argument(t, f"argument {number}"))
     if input_file is not None:
         is_jsonl = True if input_file.suffix in JSONL_SUFFIXES else None
-        inputs += _read_lines(read_lines(input_file, "input file"), str(input_file), field, jsonl=is_jsonl)
+        inputs += _read_lines(read_lines(input_file, "input file", budget), str(input_file), field, jsonl=is_jsonl)
         if not inputs:
             raise DataError(f"input file '{input_file}' holds no inputs")
     elif not texts and stdin_is_piped():
-        inputs += _read_lines(read_lines("-"), STDIN, field, jsonl=None)
+        inputs += _read_lines(read_lines("-", budget=budget), STDIN, field, jsonl=None)
     return inputs
 
 

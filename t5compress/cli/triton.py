@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Annotated
@@ -67,8 +68,13 @@ def serve(
                       f"metrics {running.metrics_url}", highlight=False)
         console.print(f"server log: {log_path}; Ctrl-C to stop", highlight=False)
 
-    report = run(repo, cfg, on_ready=ready)
-    console.print(f"tritonserver stopped (exit code {report['exit_code']})", highlight=False)
+    def event(line: str) -> None:
+        err_console.print(f"[yellow]serve:[/yellow] {line}", highlight=False, soft_wrap=True)
+
+    report = run(repo, cfg, on_ready=ready, on_event=event)
+    code = report["exit_code"]
+    how = f"exit code {code}" if code is None or code >= 0 else f"ended by {signal.Signals(-code).name}"
+    console.print(f"tritonserver stopped ({how})", highlight=False)
 
 
 PERF_ANALYZER_HELP = "Run NVIDIA's perf_analyzer (must be on PATH) instead of the built-in client."

@@ -17,6 +17,7 @@ It ships with the runtime copy in every repository.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,8 +41,17 @@ SETTING_TYPES = {int: "TYPE_INT32", float: "TYPE_FP32", str: "TYPE_STRING"}
 Getter = Callable[[str], "np.ndarray | None"]  # a request's input by name, None when it was not sent
 
 
+# `t5compress serve` names a file in the server's environment; once the file exists the server is stopping (a drain):
+# the text model refuses new requests with an error at once, and those in flight finish.
+STOPPING_ENV = "T5COMPRESS_STOPPING_FILE"
+
+
 class TooManyTexts(DataError):
     """A request holding more texts than the model's real max batch size."""
+
+
+class Stopping(DataError):
+    """A request that arrived while the server drains before it stops."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,12 @@ def texts_of(array: np.ndarray) -> list[list[str]]:
 
 
 def read_request(get: Getter, max_texts: int, model: str) -> tuple[list[str], dict[str, Any]]:
-    """A request's texts and the settings it sent (not yet checked: `Seq2SeqRuntime.settings` checks them)."""
+    """A request's texts and the settings it sent (not yet checked: `Seq2SeqRuntime.settings` checks them); refused
+    while the server is stopping."""
+    stopping = os.environ.get(STOPPING_ENV)
+    if stopping and os.path.exists(stopping):
+        raise Stopping(f"{model}: the server is stopping (SIGTERM or Ctrl-C): this request was not started; send it "
+                       "again, to another server or once this one is back")
     raw = get(TEXT.name)
     if raw is None:  # Triton passes a request without its one required input to the model
         raise DataError(f"input {TEXT.name} is missing: send the text to generate from as {TEXT.name} (BYTES, "

@@ -3,23 +3,27 @@
     run("runs/repo", ServeConfig(http_port=8000), on_ready=print)   # blocks; Ctrl-C (or SIGTERM) stops it
 
 It reads a repository (written by the `triton` stage) and writes no directory: OUT is optional, and when given it
-receives the stage's `t5compress.json` and `report.json` (endpoints, log, how long it served, how it ended) after
-the server stopped.
+receives the stage's `t5compress.json` and `report.json` (endpoints, log, how long it served, how it ended, the
+restarts and the drain) after the server stopped. What happens while it serves (a dead backend process, the
+drain on Ctrl-C / SIGTERM) is `supervise.Supervisor`'s.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from t5compress import artifacts
 from t5compress.config import option, require
-from t5compress.errors import ModelError
+from t5compress.errors import ModelError, Terminated
+from t5compress.triton.supervise import Supervisor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,23 +37,32 @@ class ServeConfig:
     log_file: str | None = option(None, "Write the server's log here (default: a temporary file, named when the "
                                         "server is ready).")
     timeout: float = option(180.0, "Seconds to wait for the models to load.")
+    drain_timeout: int = option(10, "On Ctrl-C or SIGTERM: seconds the requests in flight may take to finish (new "
+                                    "connections are refused at once) before the server is stopped; a second "
+                                    "Ctrl-C stops it at once.")
+    restarts: int = option(3, "When a model's backend process dies (Triton would fail every request to it from "
+                              "then on), restart the server, at most this many times; 0: stop with an error.")
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
             require(0 < port < 65536, name, f"must be a port number (1-65535), got {port}")
         require(self.timeout > 0, "timeout", f"must be > 0, got {self.timeout}")
+        require(self.drain_timeout >= 0, "drain_timeout", f"must be >= 0, got {self.drain_timeout}")
+        require(self.restarts >= 0, "restarts", f"must be >= 0, got {self.restarts}")
 
 
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
+def _interrupt(signum, _frame) -> None:
+    raise Terminated(signum)
 
 
 def run(src: str | os.PathLike, cfg: ServeConfig, out: str | os.PathLike | None = None, *, force: bool = False,
-        progress: bool = True, on_ready: Callable | None = None) -> artifacts.Report:
-    """Serve the repository `src` until Ctrl-C / SIGTERM (or the server exits); `on_ready(server, log_path)` is
-    called once the models are loaded. Returns the report (also written into `out`, if given)."""
-    from t5compress.triton.server import Ports, ServerError, find_server, start
+        progress: bool = True, on_ready: Callable | None = None, on_event: Callable[[str], None] | None = None
+        ) -> artifacts.Report:
+    """Serve the repository `src` until Ctrl-C / SIGTERM (or the server fails); `on_ready(server, log_path)` is
+    called each time the models are loaded (again after a restart), `on_event(line)` with what the supervision saw
+    and did. Returns the report (also written into `out`, if given)."""
+    from t5compress.triton.server import ServerError, find_server
 
     with artifacts.envelope("serve", src, cfg, out, force=force) as env:  # no `out`: nothing claimed or written
         server = find_server(cfg.tritonserver)
@@ -60,25 +73,17 @@ def run(src: str | os.PathLike, cfg: ServeConfig, out: str | os.PathLike | None 
         log_path = Path(cfg.log_file) if cfg.log_file else _fresh_log()
         signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the server as Ctrl-C does
         signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
-        ports = Ports(cfg.http_port, cfg.grpc_port, cfg.metrics_port)
-        running = start(server, src, ports, host=cfg.host, log_path=log_path, wait=None)  # opens the log safely
-        started, ended = time.monotonic(), "stopped"
+        watch = Supervisor(server, src, cfg, log_path, on_ready or (lambda *_: None), on_event or log.info)
         try:
-            running.wait_ready(cfg.timeout)
-            if on_ready is not None:
-                on_ready(running, log_path)
-            code = running.process.wait()
-            ended = f"exited with code {code}"
-        except KeyboardInterrupt:
-            pass
+            watch.serve()
+        except KeyboardInterrupt as e:
+            watch.drain(getattr(e, "signum", signal.SIGINT))
         finally:
-            code = running.stop()
-        report = env.write({"stage": "serve", "repository": str(src), "server": server.origin,
-                            "http": running.http_url, "grpc": running.grpc_url, "metrics": running.metrics_url,
-                            "log": str(log_path), "ended": ended, "exit_code": code,
-                            "seconds": round(time.monotonic() - started, 1)})  # how long it served
-    if ended != "stopped":
-        raise ServerError(f"tritonserver {ended} (log: {log_path})")
+            watch.end()
+        report = env.write({"stage": "serve", "repository": str(src), "server": server.origin, **watch.record,
+                            "log": str(log_path)})
+    if watch.failure:
+        raise ServerError(watch.failure)
     return report
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from t5compress.errors import T5CompressError
+from t5compress.triton import processes
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ class TritonServer:
     ports: Ports
     host: str
     log_path: Path | None
+    shm: set[str] = field(default_factory=set)  # shared-memory regions of its stubs, removed when it ends
+    left_behind: dict = field(default_factory=dict)  # what `kill` ended and removed after it
 
     @property
     def pid(self) -> int:
@@ -176,14 +179,14 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready"
-                                  f"{self._log_hint()}")
+                                  f"{self.log_hint()}")
             if self.ready():
                 return
             time.sleep(0.25)
         self.stop()
-        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s{self._log_hint()}")
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s{self.log_hint()}")
 
-    def _log_hint(self) -> str:
+    def log_hint(self) -> str:
         """The log line that says why: a model that failed to load, else the last error that is not about the GPU."""
         if self.log_path is None or not self.log_path.is_file():
             return ""
@@ -196,16 +199,41 @@ class TritonServer:
         return f": {why} (log: {self.log_path})" if why else f" (log: {self.log_path})"
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (Triton unloads the models and exits), SIGKILL if it has not exited after `timeout`."""
+        """SIGTERM (Triton unloads the models and exits), SIGKILL if it has not exited after `timeout`; then end
+        whatever it left behind (stubs it did not stop, their shared memory). Returns the server's exit code."""
         if self.process.poll() is None:
+            self.shm |= {s.shm for s in processes.stubs(self.pid).values()}  # named while they can still be read
             os.kill(self.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 log.warning("tritonserver %d did not stop in %.0f s: killing it", self.pid, timeout)
-                os.kill(self.pid, signal.SIGKILL)
-                self.process.wait()
-        return self.process.returncode
+        return self.kill()
+
+    def kill(self) -> int:
+        """SIGKILL the server and every process of its group at once, remove their shared memory; the exit code."""
+        if self.process.poll() is None:
+            self.shm |= {s.shm for s in processes.stubs(self.pid).values()}
+        left = processes.end_group(self.pid, self.shm)  # the server leads its own process group
+        if left["killed"] or left["shm_removed"]:
+            log.info("ended after tritonserver %d: processes %s, shared memory %s", self.pid, left["killed"],
+                     left["shm_removed"])
+        self.left_behind = left
+        return self.process.wait()
+
+    def pending(self) -> int | None:
+        """Requests queued or running in the server (Triton's pending-request gauge, every model summed); None when
+        its metrics do not answer."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=1) as r:
+                lines = r.read().decode(errors="replace").splitlines()
+        except (urllib.error.URLError, OSError):
+            return None
+        values = [ln.rsplit(" ", 1)[-1] for ln in lines if ln.startswith("nv_inference_pending_request_count{")]
+        try:
+            return int(sum(float(v) for v in values))
+        except ValueError:
+            return None
 
     def __enter__(self) -> TritonServer:
         return self
@@ -222,8 +250,14 @@ def start(
     log_path: str | os.PathLike | None = None,
     wait: float | None = 120.0,
     extra_args: tuple[str, ...] = (),
+    exit_timeout: int = 5,
+    die_with_parent: bool = False,
 ) -> TritonServer:
-    """Start tritonserver on `repository`, listening on `host` only; wait until ready unless `wait` is None."""
+    """Start tritonserver on `repository`, listening on `host` only; wait until ready unless `wait` is None.
+
+    `exit_timeout`: seconds Triton waits on SIGTERM for open connections and requests in flight before it exits
+    (its default is 30). `die_with_parent`: the server gets SIGTERM if the thread that started it dies (even by
+    SIGKILL), so a killed `serve` leaves no server behind."""
     repo = Path(repository).resolve()
     if not repo.is_dir():
         raise ServerError(f"model repository '{repo}' is not a directory (write one with `t5compress triton`)")
@@ -233,14 +267,15 @@ def start(
         f"--http-address={host}", f"--grpc-address={host}", f"--metrics-address={host}",
         f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
         "--exit-on-error=true", "--strict-readiness=true",
-        "--exit-timeout-secs=5",  # on SIGTERM, wait this long for open client connections, not the default 30 s
+        f"--exit-timeout-secs={exit_timeout}",
         *extra_args,
     ]
     log.info("starting %s", " ".join(argv))
     out = open_log(log_path) if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(argv, env=server.environ(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # Ctrl-C in a terminal reaches us, not the server
+                                start_new_session=True,  # Ctrl-C in a terminal reaches us, not the server
+                                preexec_fn=_die_with_parent if die_with_parent else None)
     except OSError as e:
         raise ServerError(f"cannot run '{server.executable}': {e.strerror}") from e
     finally:
@@ -250,6 +285,13 @@ def start(
     if wait is not None:
         running.wait_ready(wait)
     return running
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent thread ends (prctl PR_SET_PDEATHSIG; Linux)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def open_log(path: str | os.PathLike) -> int:
