@@ -1,13 +1,14 @@
 """Where a second intra-op thread is won or lost at batch 1: ONNX Runtime's per-node profile of one greedy call
 (32 tokens in, exactly 32 out) at 1 and at 2 threads, per graph (encoder, first decoder step, with-past step).
 
-Each export dir is opened twice in one process, every graph at 1 thread and every graph at 2 (the runtime's session
-options: spinning off; the shared-cache with-past graph the runtime runs), with ONNX Runtime's profiler on, and the
-two are called in turn so that a busy moment costs both alike. From the traces: per graph, ms per run (`model_run`),
-kernel ms, nodes, which op types got faster or slower and by how much, the nodes that gained and lost, and the main
-thread's time in the thread pool (ONNX Runtime's thread-pool profiler: handing work out, waiting for the worker).
-The profiler adds its own cost to every node, so absolute times are above the runtime's; the 1-vs-2 comparison is
-the point. Unprofiled wall-clock ratios come from `thread_scaling.py`.
+Each export dir is opened three times in one process, every graph at 1 thread, at 2 threads without spinning (the
+settings before issue 43) and at 2 threads as the runtime now opens them (spinning while a run lasts), always the
+shared-cache with-past graph the runtime runs, with ONNX Runtime's profiler on, and the three are called in turn so
+that a busy moment costs each alike. From the traces: per graph, ms per run (`model_run`), kernel ms, nodes, which
+op types got faster or slower and by how much, the nodes that gained and lost, and the main thread's time in the
+thread pool (ONNX Runtime's thread-pool profiler: handing work out, waiting for the worker). The profiler adds its
+own cost to every node, so absolute times are above the runtime's; the 1-vs-2 comparison is the point. Unprofiled
+wall-clock ratios come from `thread_scaling.py`.
 
     PYTHONPATH=. .venv/bin/python benchmarks/thread_profile.py int8=DIR fp32=DIR \
         --out benchmarks/results/current/thread_profile
@@ -29,9 +30,10 @@ GRAPHS = (("encoder", "encoder_model"), ("first", "decoder_model"), ("past", "de
 POOL_KEYS = ("Distribution", "DistributionEnqueue", "Wait", "WaitRevoke")
 
 
-# name -> (intra-op threads, extra session config entries)
-CONFIGS = {"1t": (1, {}), "2t": (2, {}),
-           "2t spin in run": (2, {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"})}
+# name -> (intra-op threads, session config entries over the runtime's own)
+CONFIGS = {"1t": (1, {}), "2t no spin (before)": (2, {"session.intra_op.allow_spinning": "0",
+                                                      "session.force_spinning_stop": "0"}),
+           "2t spin in run (today)": (2, {})}
 
 
 def profiled_runtime(path: Path, config: str, prefix: Path):
