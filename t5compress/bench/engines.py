@@ -83,9 +83,12 @@ def load_optimum(path: Path, threads: int, settings: dict) -> Generate:
     import onnxruntime as ort
     from optimum.onnxruntime import ORTModelForSeq2SeqLM
 
+    from t5compress.runtime.threads import pool_entries
+
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # fair: the setting ours uses
+    for key, value in pool_entries(threads).items():  # fair: the thread-pool settings ours use
+        so.add_session_config_entry(key, value)
     model = ORTModelForSeq2SeqLM.from_pretrained(path, use_merged=False, use_cache=True, session_options=so)
     return hf_generate(model, threads, settings)
 

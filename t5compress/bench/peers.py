@@ -105,16 +105,17 @@ def _nothing(model_dir: Path, out: Path) -> dict:
     return {"files": []}
 
 
+ORT_SPIN = "while a run lasts at 2+ threads, as ours (runtime.threads)"
 LOCKED = {"lengths": "min_new_tokens = max_new_tokens (forced)", "do_sample": False}
 REGISTRY: dict[str, Peer] = {p.name: p for p in [
     Peer("pytorch", "pytorch", "fp32", "PyTorch fp32 generate", ("torch", "transformers"), _nothing,
          {"engine": "transformers generate", "torch.set_num_threads": "threads"}),
     Peer("optimum-fp32", "optimum", "fp32", "optimum ORT fp32", ("optimum.onnxruntime",), prepare_optimum_fp32,
          {"engine": "ORTModelForSeq2SeqLM(use_merged=False, use_cache=True)", "intra_op_num_threads": "threads",
-          "inter_op_num_threads": 1, "allow_spinning": 0, "torch.set_num_threads": "threads"}),
+          "inter_op_num_threads": 1, "spinning": ORT_SPIN, "torch.set_num_threads": "threads"}),
     Peer("optimum-int8", "optimum", "int8", "optimum ORT int8 dynamic", ("optimum.onnxruntime",),
          prepare_optimum_int8, {"engine": "ORTModelForSeq2SeqLM(use_merged=False, use_cache=True)",
-                                "intra_op_num_threads": "threads", "inter_op_num_threads": 1, "allow_spinning": 0,
+                                "intra_op_num_threads": "threads", "inter_op_num_threads": 1, "spinning": ORT_SPIN,
                                 "torch.set_num_threads": "threads"}),
     Peer("ctranslate2-int8", "ctranslate2", "int8", "CTranslate2 int8", ("ctranslate2", "transformers"),
          prepare_ctranslate2, {"engine": "ctranslate2.Translator", "compute_type": "int8", "intra_threads": "threads",

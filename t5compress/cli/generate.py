@@ -67,7 +67,7 @@ def generate(
     batch_size: BatchSize = 16,
     max_input_tokens: MaxInput = None,
     decoders: Decoders = "auto",
-    threads: Threads = 1,
+    threads: Threads = None,
     device: Device = "cpu",
     io_binding: IoBinding = None,
     search: Search = "python",
@@ -75,11 +75,13 @@ def generate(
     """Generate text with an exported model: one output line per input (or JSON Lines with --jsonl)."""
     from t5compress.runtime import load_runtime
     from t5compress.runtime.sessions import TORCHSCRIPT_WARNING
+    from t5compress.runtime.threads import default_threads
 
     inputs = _collect_inputs(texts or [], input_file, field)
     prefix = argument(prefix, "--prefix")
     if not inputs:
         fail("no input text: pass TEXT arguments, --input FILE, or '-' to read stdin")
+    threads = default_threads() if threads is None else threads
     rt = load_runtime(path, threads=threads, decoders=decoders, device=device, io_binding=io_binding, search=search)
     if rt.format == "torchscript":
         err_console.print(f"[yellow]warning:[/yellow] {TORCHSCRIPT_WARNING}", highlight=False, soft_wrap=True)

@@ -32,6 +32,7 @@ from t5compress.names import (
     USE_CACHE_BRANCH,
     graph_io,
 )
+from t5compress.runtime import threads as threads_mod
 from t5compress.runtime.fit import check_export
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class OnnxGraph:
 
     def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None):
         self.name = path.stem
-        self.session = onnx_session(path, session_options(threads), providers)
+        self.session = onnx_session(path, session_options(threads, path.stem), providers)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
 
@@ -219,16 +220,19 @@ class MergedStep:
         return {n: out[n] for n in self.output_names}
 
 
-def session_options(threads: int):
-    """Pinned, non-spinning threads: on 2-vCPU machines a spinning pool steals the core the other thread needs."""
+def session_options(threads: int, graph: str | None = None):
+    """Sequential execution on `threads` intra-op threads (0: ONNX Runtime's default, one per physical core); with
+    more than one, the workers spin while a run lasts only (`runtime.threads`; `graph`, a graph's file stem, picks
+    its own entries there)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.intra_op_num_threads = max(threads, 0)  # 0: ONNX Runtime's default (one per physical core)
+    so.intra_op_num_threads = max(threads, 0)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in threads_mod.pool_entries(threads, graph).items():
+        so.add_session_config_entry(key, value)
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
     so.log_severity_level = 3  # warnings about unused initializers etc. are noise for users of an export dir
     return so
@@ -320,7 +324,7 @@ def open_onnx(
     if shared_cache is not None and list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
         from t5compress.runtime.sharedkv import SharedGraph
 
-        past = SharedGraph(shared_cache, session_options(threads))
+        past = SharedGraph(shared_cache, session_options(threads, DECODER_WITH_PAST))
     return Backend("onnx", graph(ENCODER), graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 

@@ -524,3 +524,25 @@ def test_a_triton_url_is_measured_like_the_export_it_serves(tiny_variants, demo_
         assert c["p50_ms"] <= c["p90_ms"] <= c["p99_ms"]
     assert served["accuracy"]["agreement"] == 1.0  # the served model is the export
     assert (tmp_path / "out" / "sizes.png").is_file() and "served" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_optimum_peer_gets_our_thread_pool_settings(threads, monkeypatch, tmp_path):
+    pytest.importorskip("optimum.onnxruntime")
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    from t5compress.bench.engines import load_optimum
+    from t5compress.runtime.threads import pool_entries
+
+    seen = {}
+
+    def capture(path, session_options=None, **_):
+        seen["options"] = session_options
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(ORTModelForSeq2SeqLM, "from_pretrained", capture)
+    with pytest.raises(RuntimeError, match="captured"):
+        load_optimum(tmp_path, threads, {})
+    so = seen["options"]
+    assert so.intra_op_num_threads == threads
+    assert {k: so.get_session_config_entry(k) for k in pool_entries(threads)} == pool_entries(threads)

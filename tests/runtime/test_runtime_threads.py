@@ -1,0 +1,123 @@
+"""Thread settings of the runtime's sessions (`runtime.threads`): workers spin while a run lasts only, on every graph
+a runtime opens with more than one thread; none spin at one thread; the default thread count is the machine's cores,
+SMT siblings counted once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from t5compress.export import ExportConfig, run
+from t5compress.runtime import load_runtime, session_options, steps, threads
+from t5compress.runtime.steps import RowSplitGraph, with_few_row_steps
+
+SPIN, STOP, INTER = "session.intra_op.allow_spinning", "session.force_spinning_stop", "session.inter_op.allow_spinning"
+
+
+def entry(options, key: str) -> str | None:
+    try:
+        return options.get_session_config_entry(key)
+    except Exception:  # onnxruntime raises when the key was never set
+        return None
+
+
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_a_pool_spins_while_a_run_lasts(count):
+    so = session_options(count)
+    assert so.intra_op_num_threads == count and so.inter_op_num_threads == 1
+    assert (entry(so, SPIN), entry(so, STOP), entry(so, INTER)) == ("1", "1", "0")
+
+
+def test_one_thread_never_spins():
+    so = session_options(1)
+    assert so.intra_op_num_threads == 1
+    assert (entry(so, SPIN), entry(so, STOP), entry(so, INTER)) == ("0", None, "0")
+
+
+def test_a_graph_can_have_its_own_entries(monkeypatch):
+    monkeypatch.setattr(threads, "PER_GRAPH", {"decoder_with_past_model": {STOP: "0"}})
+    assert entry(session_options(2, "decoder_with_past_model"), STOP) == "0"  # spins from one step to the next
+    assert entry(session_options(2, "encoder_model"), STOP) == "1"
+    assert entry(session_options(1, "decoder_with_past_model"), STOP) is None  # one thread: no pool to spin
+
+
+@pytest.fixture(scope="module")
+def export_dir(tiny_gated_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("threads") / "onnx"
+    run(tiny_gated_dir, ExportConfig(), out)
+    return out
+
+
+def sessions_of(rt) -> dict:
+    b = rt.backend
+    past = b.decoder_with_past
+    graphs = {"encoder": b.encoder, "decoder": b.decoder,
+              "with-past": past.many if isinstance(past, RowSplitGraph) else past}
+    return {name: g.session.get_session_options() for name, g in graphs.items()}
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_every_graph_of_a_runtime_gets_the_settings(export_dir, count):
+    rt = load_runtime(export_dir, threads=count)
+    opened = sessions_of(rt)
+    assert set(opened) == {"encoder", "decoder", "with-past"}
+    for name, so in opened.items():
+        assert so.intra_op_num_threads == count, name
+        assert (entry(so, SPIN), entry(so, STOP)) == (("0", None) if count == 1 else ("1", "1")), name
+
+
+def test_the_one_thread_step_session_does_not_spin(export_dir):
+    rt = load_runtime(export_dir, threads=1)
+    split = with_few_row_steps(rt.backend, export_dir, 2, margin=float("inf"))  # always kept
+    few = split.decoder_with_past.few.session.get_session_options()
+    assert few.intra_op_num_threads == 1 and entry(few, SPIN) == "0"
+
+
+def test_one_thread_must_win_the_step_twice(export_dir, monkeypatch):
+    rt = load_runtime(export_dir, threads=1)
+    for timings, kept in (([(1.0, 0.5), (1.0, 0.5)], True), ([(1.0, 0.5), (1.0, 1.0)], False),
+                          ([(1.0, 1.0)], False)):
+        calls = iter(timings)
+        monkeypatch.setattr(steps, "step_times", lambda *_, calls=calls: next(calls))
+        backend = with_few_row_steps(rt.backend, export_dir, 2)
+        assert isinstance(backend.decoder_with_past, RowSplitGraph) == kept
+        assert next(calls, None) is None  # timed again only after one thread first won
+
+
+def test_default_threads_count_cores_not_siblings(tmp_path, monkeypatch):
+    for cpu, siblings in ((0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3"), (4, "4")):
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "thread_siblings_list").write_text(siblings + "\n")
+    assert threads.physical_cores({0, 1, 2, 3, 4}, tmp_path) == 3
+    assert threads.physical_cores({0, 2}, tmp_path) == 1
+    assert threads.physical_cores({7, 8}, tmp_path) == 2  # no topology files: each CPU counts
+    monkeypatch.setattr(threads, "physical_cores", lambda: 64)
+    assert threads.default_threads() == threads.MAX_DEFAULT_THREADS
+    monkeypatch.setattr(threads, "physical_cores", lambda: 2)
+    assert threads.default_threads() == 2
+
+
+def test_generate_defaults_to_the_machines_cores(export_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    import t5compress.runtime as runtime
+    from t5compress.cli import app
+
+    seen = []
+
+    def fake_load(path, threads, **_):
+        seen.append(threads)
+        raise SystemExit(0)  # the thread count is all this test wants
+
+    monkeypatch.setattr(threads, "default_threads", lambda: 3)
+    monkeypatch.setattr(runtime, "load_runtime", fake_load)
+    runner = CliRunner()
+    for args, want in (([], 3), (["--threads", "1"], 1), (["--threads", "0"], 0)):
+        runner.invoke(app, ["generate", str(export_dir), "hello", *args])
+        assert seen.pop() == want
+    import typer
+
+    option = next(p for p in typer.main.get_command(app).commands["generate"].params if p.name == "threads")
+    assert "Default: one per physical core of this machine, at most 8" in option.help  # what --help shows
