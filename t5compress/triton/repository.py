@@ -18,13 +18,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from t5compress.errors import ConfigError, ModelError
-from t5compress.names import DECODER, DECODER_MASK, DECODER_WITH_PAST, ENCODER, GENERATOR, MANIFEST_FILE, ONNX_SUFFIX
+from t5compress.names import (
+    DECODER,
+    DECODER_MASK,
+    DECODER_WITH_PAST,
+    ENCODER,
+    GENERATOR,
+    MANIFEST_FILE,
+    ONNX_SUFFIX,
+    WEIGHTS_FILE,
+)
 from t5compress.runtime import contract
 from t5compress.triton import config as pbtxt
 
@@ -102,9 +112,12 @@ def leaf_model(export: Path, graph: str, name: str, kind: str, instances: int, t
 
 
 def graph_files(export: Path, graph: str) -> dict[str, Path]:
-    """One graph's ONNX file and its external-data files (optimum's names), by file name."""
+    """One graph's ONNX file and the external-data files it names (the dir's shared weights file, or optimum's
+    per-graph names), by file name."""
+    from t5compress.onnxstore import external_files
+
     onnx_file = export / f"{graph}{ONNX_SUFFIX}"
-    return {onnx_file.name: onnx_file, **{f.name: f for f in sorted(export.glob(f"{graph}{ONNX_SUFFIX}_*"))}}
+    return {onnx_file.name: onnx_file, **{Path(loc).name: export / loc for loc in external_files(onnx_file)}}
 
 
 def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, max_batch: int, queue_delay_us: int,
@@ -186,5 +199,17 @@ def write(plan: ModelPlan, repo: Path) -> None:
         raise ConfigError(f"config of {plan.name!r} does not read back as written")
     for dest, src in plan.files.items():
         (version / dest).parent.mkdir(parents=True, exist_ok=True)
+        if dest == WEIGHTS_FILE and _linked(src, version / dest):
+            continue
         shutil.copyfile(src, version / dest)  # copyfile: the umask's permissions, not the source's
+
+
+def _linked(src: Path, dest: Path) -> bool:
+    """Hard-link the export's weights file into a leaf model: every leaf names its own file (Triton loads each model
+    from its own dir) and the bytes stay on disk once; False where the filesystem cannot (then it is copied)."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        return False
+    return True
 
