@@ -164,3 +164,22 @@ def _point(t, offset: int, length: int) -> None:
         entry = t.external_data.add()
         entry.key, entry.value = key, value
     t.data_location = t.EXTERNAL
+
+
+def weight_bytes(graph: str | os.PathLike, min_bytes: int = MIN_BYTES) -> int:
+    """Bytes of the large weights the ONNX file `graph` holds or names (each stored tensor counted once): what the
+    graph costs on disk apart from its structure, wherever its weights are stored."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    places: dict = {}
+    for t in _initializers(model.graph):
+        place = _place(t)
+        if place is None:
+            size = len(t.raw_data)
+            place = ("inline", len(places))
+        else:
+            size = int({e.key: e.value for e in t.external_data}.get("length") or 0)
+        if size >= min_bytes:
+            places[place] = size
+    return sum(places.values())
