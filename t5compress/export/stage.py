@@ -230,6 +230,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
                 from t5compress.onnxstore import store_once
 
                 section["weights"] = store_once(tmp)
+            from t5compress.lineage import source_checkpoint
             from t5compress.model.load import describe
 
             env.report = {
@@ -239,6 +240,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
                 "model": describe(model),
                 "max_input_tokens": limits,
                 "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+                "source": source_checkpoint(src) if Path(src).is_dir() else None,  # sizes against it (info, bench)
                 "seconds": env.seconds(2),
             }
     log.info("export written to %s", out)
