@@ -94,7 +94,8 @@ class ExportConfig:
         0.1, help="QAT dirs (int8 graphs): largest difference to the fake-quant model, relative to the logits' scale."
     )
     external_data_threshold: int = option(
-        EXTERNAL_DATA_THRESHOLD, help="Parameter bytes above which ONNX weights are saved as external data files."
+        EXTERNAL_DATA_THRESHOLD, help="Parameter bytes above which the exporter's own graph files keep their weights"
+        " apart while it works (the export dir always stores each weight once, in weights.onnx_data)."
     )
 
     def __post_init__(self) -> None:
