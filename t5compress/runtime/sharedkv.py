@@ -52,6 +52,7 @@ class Rewritten:
     model: bytes  # the rewritten graph, its large initializers external
     weights: dict[str, object]  # external data location -> its bytes (a file mapped, or an array made here)
     cross_per_input: bool
+    first: tuple | None = None  # `runtime.firststep.cross_graph`: the first step runs on this graph, not decoder_model
 
     def session(self, options):
         import onnxruntime as ort
@@ -99,7 +100,9 @@ def rewritten(path: Path) -> Rewritten | None:
     log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s%s", layers, file,
              "the cross-attention cache per input" if cross else "the cross-attention cache per beam",
              f", {len(tables)} lookup tables by row" if tables else "")
-    return Rewritten(path, model.SerializeToString(), weights, cross > 0)
+    from t5compress.runtime.firststep import cross_graph
+
+    return Rewritten(path, model.SerializeToString(), weights, cross > 0, cross_graph(path))
 
 
 def _array(tensor, weights: dict) -> np.ndarray:
