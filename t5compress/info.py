@@ -134,7 +134,7 @@ def render(data: dict[str, Any], console) -> None:
     if data["parameters"] is not None:
         t.add_row("parameters", f"{data['parameters']:,} ({data['parameters'] / 1e6:.2f}M)")
     t.add_row("size on disk", f"{_human(data['size_bytes'])} ({data['size_bytes']:,} bytes)")
-    for k, v in vs_source(data["size_bytes"], data.get("source")):
+    for k, v in vs_source(data["size_bytes"], data.get("source"), "dir vs checkpoint"):
         t.add_row(k, v)
     for name, size in data["files"].items():
         if name.endswith((".onnx", ".pt", ".safetensors", ".onnx_data")):

@@ -37,7 +37,8 @@ def source_checkpoint(path: str | os.PathLike, limit: int = 12) -> dict | None:
         size = checkpoint_bytes(p)
         if size is not None:
             return {"path": str(p.resolve()), "safetensors_bytes": size}
-        recorded = (_json(p / REPORT_FILE) or {}).get("source")
+        report = _json(p / REPORT_FILE) or {}
+        recorded = report.get("source") or (report.get("size") or {}).get("source")  # export's; quantize's
         if isinstance(recorded, dict) and recorded.get("safetensors_bytes"):
             return {"path": recorded.get("path"), "safetensors_bytes": int(recorded["safetensors_bytes"])}
         parent = ((_json(p / META_FILE) or {}).get("parent") or {}).get("path")
@@ -47,12 +48,12 @@ def source_checkpoint(path: str | os.PathLike, limit: int = 12) -> dict | None:
     return None
 
 
-def vs_source(size: int, source: dict | None) -> list[tuple[str, str]]:
+def vs_source(size: int, source: dict | None, what: str = "bytes vs checkpoint") -> list[tuple[str, str]]:
     """The row giving `size` in bytes against the source checkpoint's safetensors (none when it is not known)."""
     if not source or not source.get("safetensors_bytes"):
         return []
     st = source["safetensors_bytes"]
-    return [("bytes vs checkpoint", f"{size:,} bytes, {size / st:.3f}x the source's model.safetensors ({st:,} bytes)")]
+    return [(what, f"{size:,} bytes, {size / st:.3f}x the source's model.safetensors ({st:,} bytes)")]
 
 
 def _json(path: Path) -> dict | None:

@@ -98,6 +98,25 @@ def test_every_int8_flavour_stores_each_weight_once(mode, fp32_dir, demo_jsonl, 
     assert encoder and encoder <= decoder
 
 
+def test_sizes_are_told_against_the_source_checkpoint(fp32_dir, tiny_model_dir, tmp_path):
+    """info and the export report give bytes against the source's model.safetensors, also once the dirs between
+    are gone (the export's report records the source)."""
+    from t5compress.info import inspect_dir
+    from t5compress.lineage import source_checkpoint
+
+    checkpoint = (tiny_model_dir / "model.safetensors").stat().st_size
+    data = inspect_dir(fp32_dir)
+    assert data["source"]["safetensors_bytes"] == checkpoint
+    report = json.loads((fp32_dir / "report.json").read_text())
+    assert report["source"] == {"path": str(tiny_model_dir.resolve()), "safetensors_bytes": checkpoint}
+    moved = tmp_path / "moved"
+    shutil.copytree(fp32_dir, moved)
+    meta = json.loads((moved / "t5compress.json").read_text())
+    meta["parent"]["path"] = str(tmp_path / "gone")
+    (moved / "t5compress.json").write_text(json.dumps(meta))
+    assert source_checkpoint(moved)["safetensors_bytes"] == checkpoint
+
+
 def _offsets(graph: Path, vocab: int) -> set[str]:
     """Offsets into the weights file of the graph's initializers with a vocabulary axis (tables and their scales)."""
     return {next(e.value for e in t.external_data if e.key == "offset")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -56,14 +57,14 @@ class FirstStep:
     """decoder_model's contract (ids, encoder states and mask in; logits and the whole cache out) over the
     cross-attention graph and `past`, a with-past graph that runs steps of the stored layout (`SharedGraph.run`)."""
 
-    def __init__(self, path: Path, cut: tuple[bytes, tuple[str, ...], tuple[str, ...]], past, threads: int):
+    def __init__(self, path: Path, cut: tuple[bytes, tuple[str, ...], tuple[str, ...]], past, options,
+                 stored: Callable):
+        """`options`: the ONNX Runtime session options of the cross-attention graph; `stored()` opens the dir's
+        decoder_model as stored (a `sessions.OnnxGraph`)."""
         import onnxruntime as ort
 
-        from t5compress.runtime.sessions import session_options
-
         model, self.input_names, self.output_names = cut
-        self.name, self.path, self.threads, self.past = DECODER, path, threads, past
-        options = session_options(threads)
+        self.name, self.past, self._open = DECODER, past, stored
         options.add_session_config_entry(FOLDER, str(path))
         self.cross = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         self.cross_names = tuple(o.name for o in self.cross.get_outputs())
@@ -73,9 +74,7 @@ class FirstStep:
     def stored(self):
         """The dir's decoder_model as stored, opened when first needed."""
         if self._stored is None:
-            from t5compress.runtime.sessions import OnnxGraph
-
-            self._stored = OnnxGraph(self.path / f"{DECODER}{ONNX_SUFFIX}", self.threads)
+            self._stored = self._open()
         return self._stored
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -324,7 +324,7 @@ def open_onnx(
         if shared_cache.first is not None:  # the first step on the with-past graph: decoder weights in memory once
             from t5compress.runtime.firststep import FirstStep
 
-            first = FirstStep(path, shared_cache.first, past, threads)
+            first = FirstStep(path, shared_cache.first, past, session_options(threads), lambda: graph(DECODER))
     return Backend("onnx", graph(ENCODER), first or graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 
