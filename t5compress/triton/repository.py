@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,17 +198,9 @@ def write(plan: ModelPlan, repo: Path) -> None:
         raise ConfigError(f"config of {plan.name!r} does not read back as written")
     for dest, src in plan.files.items():
         (version / dest).parent.mkdir(parents=True, exist_ok=True)
-        if dest == WEIGHTS_FILE and _linked(src, version / dest):
-            continue
         shutil.copyfile(src, version / dest)  # copyfile: the umask's permissions, not the source's
+    if WEIGHTS_FILE in plan.files:  # each model loads from its own dir: keep only the weights its graphs name
+        from t5compress.onnxstore import store_once
 
-
-def _linked(src: Path, dest: Path) -> bool:
-    """Hard-link the export's weights file into a leaf model: every leaf names its own file (Triton loads each model
-    from its own dir) and the bytes stay on disk once; False where the filesystem cannot (then it is copied)."""
-    try:
-        os.link(src, dest)
-    except OSError:
-        return False
-    return True
+        store_once(version)
 

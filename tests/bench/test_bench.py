@@ -253,7 +253,8 @@ def test_variant_kinds_lineage_and_files(tiny_model_dir, tiny_variants, tmp_path
 
     export(tiny_model_dir, ExportConfig(decoders="merged"), tmp_path / "merged")
     v = resolve(f"m={tmp_path / 'merged'}")
-    assert (v.kind, v.precision, v.files) == ("onnx", "fp32", ["encoder_model.onnx", "decoder_model_merged.onnx"])
+    assert (v.kind, v.precision, v.files) == ("onnx", "fp32", ["encoder_model.onnx", "weights.onnx_data",
+                                                       "decoder_model_merged.onnx"])
     assert v.label == "ONNX merged fp32" and v.size_bytes == sum((tmp_path / "merged" / f).stat().st_size
                                                                  for f in v.files)
     v = resolve(str(tiny_variants["int8"]))
