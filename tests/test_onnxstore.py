@@ -82,7 +82,7 @@ def test_fp16_export_stores_each_weight_once(tiny_model_dir, tmp_path):
     _assert_stored_once(tmp_path / "fp16")
 
 
-@pytest.mark.parametrize("mode", ["static", "dynamic", "blockwise"])
+@pytest.mark.parametrize("mode", ["static", "dynamic", "blockwise", "int4"])
 def test_every_int8_flavour_stores_each_weight_once(mode, fp32_dir, demo_jsonl, tmp_path):
     calib = {"calib_data": str(demo_jsonl), "samples": 16} if mode == "static" else {}
     r = quantize(fp32_dir, QuantizeConfig(mode=mode, min_agreement=0.5, **calib), tmp_path / mode, progress=False)

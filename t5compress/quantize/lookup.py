@@ -1,12 +1,13 @@
 """One int8 embedding for the whole dir: the encoder looks tokens up in the decoder's int8 table.
 
 A tied T5 embeds with the LM head's matrix, which each graph quantizes on its own: the decoders read the LM head's
-int8 table by column (`graphs.share_lm_head_table`, or block-wise's MatMulNBits blocks), the encoder a table of its
-own (a second 16 MB on t5-small, a quarter of the int8 dir once the decoders share their weights). `share_lookup`
-replaces the encoder's lookup by a copy of the decoder's: the same nodes reading initializers with the same bytes,
-which `onnxstore.store_once` then stores once. The lookup's values are the decoder's (one scale per vocabulary entry
-where the encoder had one for the whole table, in static and dynamic int8); the encoder's own activation
-quantization after the lookup stays, and the stage's agreement check runs on the result.
+int8 table by column (`graphs.share_lm_head_table`, or block-wise's MatMulNBits blocks, 8- or 4-bit), the encoder a
+table of its own (a second 16 MB on t5-small, a quarter of the int8 dir once the decoders share their weights).
+`share_lookup` replaces the encoder's lookup by a copy of the decoder's: the same nodes reading initializers with the
+same bytes, which `onnxstore.store_once` then stores once. The lookup's values are the decoder's (one scale per
+vocabulary entry where the encoder had one for the whole table, in static and dynamic int8; 4-bit blocks at 4 bits,
+where the export's by-column encoder lookup had been left int8); the encoder's own activation quantization after the
+lookup stays, and the stage's agreement check runs on the result.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from t5compress.runtime.sessions import load_onnx
 log = logging.getLogger(__name__)
 
 PREFIX = "shared_lookup/"  # the copied nodes' and initializers' names in the encoder
+GATHERS = ("Gather", "GatherBlockQuantized")  # a lookup's row gather: int8 rows, or 4-bit blocks (`nbits`)
 
 
 def share_lookup(encoder: Path, decoder: Path) -> int:
@@ -93,11 +95,11 @@ def _lookup(graph: onnx.GraphProto) -> tuple[list, str, str] | None:
         for i, x in enumerate(node.input):
             if not x or x in inits:
                 continue
-            if node.op_type == "Gather" and i == 1:
+            if node.op_type in GATHERS and i == 1:  # the token ids (indices)
                 ids.add(x)
             else:
                 todo.append(x)
-    if len(ids) != 1 or not any(n.op_type == "Gather" for n in nodes):
+    if len(ids) != 1 or not any(n.op_type in GATHERS for n in nodes):
         return None
     order = {id(n): i for i, n in enumerate(graph.node)}
     return sorted(nodes, key=lambda n: order[id(n)]), ids.pop(), out
