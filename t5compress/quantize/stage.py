@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -167,12 +166,10 @@ def _prepare(src: Path, cfg: QuantizeConfig, method, progress: bool):
 def _make(export, tmp: Path, method) -> dict:
     """The int8 export dir in `tmp`, checked against fp32; returns the report (but the envelope's parts)."""
     from t5compress.quantize.check import check_int8
+    from t5compress.quantize.sources import copy_beside
 
     src, cfg, plan = export.src, export.cfg, export.plan
-    for f in sorted(src.iterdir()):  # config, tokenizer, graphs.json: everything but the graphs and old reports
-        if f.is_file() and not f.name.endswith((ONNX_SUFFIX, ".onnx_data")) and f.name not in (
-                artifacts.META_FILE, artifacts.REPORT_FILE):
-            shutil.copy2(f, tmp / f.name)
+    copy_beside(src, tmp)
     graphs = _quantize(export, tmp, method)
     _finish(src, tmp, cfg, plan, graphs)
     from t5compress.onnxstore import store_once
