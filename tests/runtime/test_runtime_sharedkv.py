@@ -137,6 +137,20 @@ def test_graphs_the_rewrite_does_not_fit_run_as_stored(dirs, tmp_path, monkeypat
     assert open_shared(dirs["relu"], session_options(1)) is None
 
 
+def test_the_size_limit_counts_the_weights_in_the_shared_file(dirs, monkeypatch):
+    """In a dir that stores each weight once the with-past graph file holds only structure: the limit on what is
+    rewritten counts the weights it names in weights.onnx_data too."""
+    from t5compress.onnxstore import weight_bytes
+    from t5compress.runtime import sharedkv
+
+    graph = dirs["relu"] / f"{DECODER_WITH_PAST}.onnx"
+    assert (dirs["relu"] / "weights.onnx_data").is_file() and graph.stat().st_size < weight_bytes(graph)
+    monkeypatch.setattr(sharedkv, "MAX_BYTES", graph.stat().st_size + weight_bytes(graph) - 1)
+    assert rewritten(dirs["relu"]) is None
+    monkeypatch.setattr(sharedkv, "MAX_BYTES", graph.stat().st_size + weight_bytes(graph))
+    assert rewritten(dirs["relu"]) is not None
+
+
 def test_a_dir_with_external_data_and_a_damaged_one(dirs, tmp_path, caplog):
     """A with-past graph whose weights are in an external data file (how exports over 2 GB are saved) is rewritten
     too, its file handed over beside the graph's own bytes; a truncated graph runs as stored (opening it as stored
