@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t5compress.names import DECODER_WITH_PAST, ONNX_SUFFIX, WEIGHTS_FILE
+from t5compress.names import DECODER_WITH_PAST, ONNX_SUFFIX
 from t5compress.onnxgraph import weightless
 from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite, row_lookups
 
@@ -80,12 +80,12 @@ def rewritten(path: Path) -> Rewritten | None:
         log.info("shared cache: the onnx package is not installed: %s runs as stored", file)
         return None
     try:
-        size = _graph_bytes(path, file)
+        weights = {WEIGHTS: _mapped(file)}
+        model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
+        size = file.stat().st_size + _named_bytes(model)
         if size > MAX_BYTES:
             log.info("shared cache: %s is %d MB, over %d MB: run as stored", file, size >> 20, MAX_BYTES >> 20)
             return None
-        weights = {WEIGHTS: _mapped(file)}
-        model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
         weights |= {loc: _mapped(_inside(path, loc)) for loc in _locations(model) - {WEIGHTS}}
         layers = rewrite(model)
         cross = per_input_cross(model) if layers else 0
@@ -105,13 +105,15 @@ def rewritten(path: Path) -> Rewritten | None:
     return Rewritten(path, model.SerializeToString(), weights, cross > 0, cross_graph(path))
 
 
-def _graph_bytes(path: Path, file: Path) -> int:
-    """Bytes of the with-past graph `file` with its weights: its own files (optimum's layout), or, in a dir that
-    stores each weight once, the structure plus the weights it names in the shared file (`onnxstore`)."""
-    from t5compress.onnxstore import weight_bytes
-
-    own = sum(f.stat().st_size for f in path.iterdir() if f.is_file() and f.name.startswith(DECODER_WITH_PAST))
-    return own + weight_bytes(file) if (path / WEIGHTS_FILE).is_file() else own
+def _named_bytes(model) -> int:
+    """Bytes of the external data the graph's initializers name in the dir's files (each place once): its own data
+    file in optimum's layout, its share of weights.onnx_data in a dir that stores each weight once (`onnxstore`)."""
+    places = {}
+    for t in model.graph.initializer:
+        entry = {e.key: e.value for e in t.external_data} if t.data_location == t.EXTERNAL else {}
+        if entry and entry.get("location") != WEIGHTS:  # WEIGHTS: the graph file's own bytes, counted apart
+            places[entry.get("location"), entry.get("offset")] = int(entry.get("length") or 0)
+    return sum(places.values())
 
 
 def _array(tensor, weights: dict) -> np.ndarray:
