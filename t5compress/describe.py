@@ -153,12 +153,14 @@ def export(r: dict) -> Rows:
     """Size and parity first; then the graphs, their precision, the tolerance used and the generation check."""
     if "int8" in r:  # a QAT dir: int8 Q/DQ graphs, checked against the fake-quantized model
         return _qat_export(r)
+    from t5compress.lineage import vs_source
+
     parity, dtype = r.get("parity") or {}, r.get("dtype", "fp32")  # exports made before --dtype are fp32
     size = sum(v for k, v in (r.get("files") or {}).items() if k.endswith((".onnx", ".onnx_data", ".pt")))
     diff = parity.get("max_abs_diff")
     worst = max(diff.values()) if isinstance(diff, dict) and diff else diff
     rows = [("size, parity", mb(size) + (f", max |Δ| vs PyTorch {worst:.1e}" if isinstance(worst, float) else "")),
-            (f"{r.get('format', 'onnx')} graphs", ", ".join(r.get("graphs") or []))]
+            *vs_source(size, r.get("source")), (f"{r.get('format', 'onnx')} graphs", ", ".join(r.get("graphs") or []))]
     if r.get("format") == "onnx":
         rows.append(("dtype", _dtype(r)))
     reference = "PyTorch" if dtype == "fp32" else "fp32 PyTorch"

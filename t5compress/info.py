@@ -8,6 +8,7 @@ from typing import Any
 from t5compress import kinds
 from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
 from t5compress.errors import ModelError, first_line
+from t5compress.lineage import source_checkpoint, vs_source
 from t5compress.model.weights import weight_headers
 from t5compress.names import ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 from t5compress.runtime.fit import check_export
@@ -79,6 +80,7 @@ def inspect_dir(path: str | Path) -> dict[str, Any]:
         "architecture": {k: config[k] for k in _ARCH_KEYS if k in config},
         "parameters": parameters or (report.get("model") or {}).get("parameters"),  # exports: from the report
         "size_bytes": sum(f.stat().st_size for f in p.rglob("*") if f.is_file()),
+        "source": None if kind == "model" else source_checkpoint(p),  # the safetensors it was made from
         "files": files,
         "lineage": None if meta is None else {"stage": meta.get("stage"), "created": meta.get("created"),
                                                "parent": meta.get("parent"), "what": _stage_help(meta.get("stage"))},
@@ -131,7 +133,9 @@ def render(data: dict[str, Any], console) -> None:
         t.add_row(k, str(v))
     if data["parameters"] is not None:
         t.add_row("parameters", f"{data['parameters']:,} ({data['parameters'] / 1e6:.2f}M)")
-    t.add_row("size on disk", _human(data["size_bytes"]))
+    t.add_row("size on disk", f"{_human(data['size_bytes'])} ({data['size_bytes']:,} bytes)")
+    for k, v in vs_source(data["size_bytes"], data.get("source"), "dir vs checkpoint"):
+        t.add_row(k, v)
     for name, size in data["files"].items():
         if name.endswith((".onnx", ".pt", ".safetensors", ".onnx_data")):
             t.add_row(f"  {name}", _human(size))

@@ -51,6 +51,10 @@ GENERATOR_INPUTS = ("input_ids", "max_length", "min_length", "num_beams", "num_r
                     "repetition_penalty", "attention_mask")
 GENERATOR_OUTPUTS = ("sequences",)
 
+# The one external data file of an ONNX export dir: every graph's large initializers, each stored once
+# (`onnxstore.store_once`)
+WEIGHTS_FILE = "weights.onnx_data"
+
 MANIFEST_FILE = "graphs.json"  # in every export dir: each graph's input and output names in positional order
 
 

@@ -78,12 +78,18 @@ def speedups(entries: list[dict], keys: list[Key], output_tokens: int | None = N
 
 
 def sizes(entries: list[dict]) -> dict:
-    """Each variant's files (ours, the baseline's, the peers') against our smallest unpruned fp32 export."""
+    """Each variant's files (ours, the baseline's, the peers') in bytes, against the source checkpoint's safetensors
+    (the first variant whose lineage names one) and against our smallest unpruned fp32 export."""
+    sized = [e for e in entries if e.get("size_bytes")]
+    out: dict = {"bytes": {e["name"]: e["size_bytes"] for e in sized}}
+    source = next((e["source"] for e in entries if e.get("source")), None)
+    if source:
+        st = source["safetensors_bytes"]
+        out |= {"checkpoint": source, "vs_checkpoint": {e["name"]: round(e["size_bytes"] / st, 3) for e in sized}}
     fp32 = [e for e in ours(entries) if e["precision"] == "fp32" and not e.get("pruned") and "error" not in e
             and e.get("size_bytes")]
     if not fp32:
-        return {"fp32": None, "why": "no fp32 export of ours to compare with", "ratios": {}}
+        return {**out, "fp32": None, "why": "no fp32 export of ours to compare with", "ratios": {}}
     base = min(fp32, key=lambda e: e["size_bytes"])
-    return {"fp32": base["name"], "fp32_bytes": base["size_bytes"],
-            "ratios": {e["name"]: round(e["size_bytes"] / base["size_bytes"], 3) for e in entries
-                       if e is not base and e.get("size_bytes")}}
+    return {**out, "fp32": base["name"], "fp32_bytes": base["size_bytes"],
+            "ratios": {e["name"]: round(e["size_bytes"] / base["size_bytes"], 3) for e in sized if e is not base}}

@@ -232,7 +232,19 @@ def speedup_lines(r: dict, level: int = 2) -> list[str]:
 
 def size_lines(r: dict, level: int = 2) -> list[str]:
     size = r["sizes"]
-    lines = [f"{'#' * level} Size vs our fp32 export", ""]
+    lines = [f"{'#' * level} Size", ""]
+    if size.get("bytes"):  # reports made before sizes in bytes have ratios to our fp32 only
+        source = size.get("checkpoint")
+        lines += ([f"Files each variant loads, in bytes, against the source checkpoint's `model.safetensors` "
+                   f"({source['safetensors_bytes']:,} bytes, `{source['path']}`) and our fp32 export:", ""]
+                  if source else ["Files each variant loads, in bytes (no source checkpoint known):", ""])
+        lines += ["| variant | bytes | vs checkpoint | vs our fp32 |", "|---|---:|---:|---:|"]
+        for n, b in size["bytes"].items():
+            vs_ck = size.get("vs_checkpoint", {}).get(n)
+            vs_fp32 = 1.0 if n == size.get("fp32") else size["ratios"].get(n)
+            lines.append(f"| {n} | {b:,} | {f'{vs_ck:.3f}x' if vs_ck else '-'} | "
+                         f"{f'{vs_fp32:.3f}x' if vs_fp32 else '-'} |")
+        return lines + [""]
     if not size.get("fp32"):
         return lines + [f"Not compared: {size['why']}.", ""]
     return lines + [f"Files on disk against `{size['fp32']}`'s ({mb(size['fp32_bytes'])} MB): " + ", ".join(

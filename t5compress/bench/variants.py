@@ -17,6 +17,7 @@ from pathlib import Path
 from t5compress import kinds
 from t5compress.artifacts import META_FILE, REPORT_FILE, read_json
 from t5compress.errors import ModelError
+from t5compress.lineage import source_checkpoint
 from t5compress.names import DECODER_MERGED, GRAPHS, ONNX_SUFFIX, TORCHSCRIPT_SUFFIX
 from t5compress.runtime.sessions import load_onnx
 
@@ -50,6 +51,7 @@ class Variant:
         return {"name": self.name, "path": self.settings.get("url") or str(self.path), "kind": self.kind,
                 "precision": self.precision, "label": self.label, "role": self.role, "owner": self.owner,
                 "pruned": self.pruned, "lineage": self.lineage, "files": self.files, "size_bytes": self.size_bytes,
+                "source": None if self.kind == "triton" else source_checkpoint(self.path),
                 "settings": self.settings, "python": self.python}
 
 

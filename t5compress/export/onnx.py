@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from t5compress.errors import ExportError, first_line
 from t5compress.export.simplify import simplify
-from t5compress.export.tied import share_tied_weights
-from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ONNX_SUFFIX, USE_CACHE_BRANCH
+from t5compress.export.tied import share_tied_weights, share_with_decoder
+from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, ONNX_SUFFIX, USE_CACHE_BRANCH
 from t5compress.runtime.sessions import load_onnx
 
 if TYPE_CHECKING:
@@ -132,7 +132,17 @@ def export_onnx(
     for name, spec in specs.items():
         log.info("exporting %s (opset %d%s)", name, opset, ", external data" if external else "")
         files[name] = export_graph(model, spec, out / f"{name}{ONNX_SUFFIX}", opset, external, share_tied)
+    if share_tied and ENCODER in specs and DECODER in specs:
+        _encoder_reads_tied(out / f"{ENCODER}{ONNX_SUFFIX}", out / f"{DECODER}{ONNX_SUFFIX}", external)
     return files
+
+
+def _encoder_reads_tied(encoder: Path, decoder: Path, external: bool) -> None:
+    """The encoder's embedding lookup on the decoder's tied matrix (`tied.share_with_decoder`), so that the dir
+    holds the embedding once."""
+    proto = load_onnx(str(encoder))
+    if share_with_decoder(proto, load_onnx(str(decoder), load_external_data=True)):
+        save_onnx(proto, encoder, external)
 
 
 # ---------------------------------------------------------------------------------------------------------------

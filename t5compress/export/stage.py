@@ -94,7 +94,8 @@ class ExportConfig:
         0.1, help="QAT dirs (int8 graphs): largest difference to the fake-quant model, relative to the logits' scale."
     )
     external_data_threshold: int = option(
-        EXTERNAL_DATA_THRESHOLD, help="Parameter bytes above which ONNX weights are saved as external data files."
+        EXTERNAL_DATA_THRESHOLD, help="Parameter bytes above which the exporter's own graph files keep their weights"
+        " apart while it works (the export dir always stores each weight once, in weights.onnx_data)."
     )
 
     def __post_init__(self) -> None:
@@ -146,6 +147,7 @@ def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportCo
         write_merged,
     )
     from t5compress.export.precision import half_model
+    from t5compress.onnxstore import store_once
 
     traced = model if cfg.dtype == "fp32" else half_model(model, cfg.dtype)
     external = needs_external_data(parameter_bytes(traced), cfg.external_data_threshold)
@@ -159,10 +161,12 @@ def export_onnx_dir(model, specs: dict[str, GraphSpec], out: Path, cfg: ExportCo
     names = list(cfg.graphs)
     section: dict = {"opset": cfg.opset, "external_data": external, "decoders": cfg.layout, "graphs": names,
                      "inflight": cfg.inflight, "dtype": cfg.dtype}
+    section["weights"] = store_once(out)  # checked below as stored: every graph reads the one weights file
     section["parity"] = check_onnx_dir(model, out, names, cfg, "ONNX export")
     if cfg.optimize:
         for name in names:
             optimize_onnx(out / f"{name}{ONNX_SUFFIX}", cfg.optimize_level, external)
+        section["weights"] = store_once(out)
         section["parity_unoptimized"] = section["parity"]
         section["parity"] = check_onnx_dir(model, out, names, cfg, f"ONNX export optimised ({cfg.optimize_level})")
     return section
@@ -223,6 +227,11 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
 
                 write_generator(tmp, section["external_data"])
                 section["search_graph"] = check_generator(tmp, cfg.max_new_tokens, strict=True)
+            if cfg.format == "onnx" and (cfg.search_graph or "weights" not in section):  # the generator, a QAT dir
+                from t5compress.onnxstore import store_once
+
+                section["weights"] = store_once(tmp)
+            from t5compress.lineage import source_checkpoint
             from t5compress.model.load import describe
 
             env.report = {
@@ -232,6 +241,7 @@ def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, fo
                 "model": describe(model),
                 "max_input_tokens": limits,
                 "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+                "source": source_checkpoint(src) if Path(src).is_dir() else None,  # sizes against it (info, bench)
                 "seconds": env.seconds(2),
             }
     log.info("export written to %s", out)

@@ -65,25 +65,68 @@ def share_tied_weights(proto: onnx.ModelProto) -> int:
 
     Works in place on the top-level graph. The embedding initializer is removed when nothing else reads it.
     """
-    from onnx import helper
-
     graph = proto.graph
     saved = 0
     for gather, table, transposed in find_tied_pairs(graph):
-        looked_up = gather.output[0]
-        tmp = f"{looked_up}/by_column"
-        gather.input[0] = transposed
-        del gather.attribute[:]
-        gather.attribute.append(helper.make_attribute("axis", 1))  # (d_model, *ids.shape)
-        gather.output[0] = tmp
-        index = list(graph.node).index(gather)
-        perm = helper.make_node("Transpose", [tmp], [looked_up], name=f"{gather.name}/to_rows", perm=[1, 2, 0])
-        graph.node.insert(index + 1, perm)  # (batch, len, d_model), as before: ids are (batch, len) in T5's graphs
-        if not _users(graph, table):
-            init = next(t for t in graph.initializer if t.name == table)
-            saved += len(init.raw_data) or 4 * _numel(init)
-            graph.initializer.remove(init)
+        saved += _by_column(graph, gather, table, transposed)
         log.info("tied embedding %s stored once (lookup reads %s)", table, transposed)
+    return saved
+
+
+def _by_column(graph: onnx.GraphProto, gather: onnx.NodeProto, table: str, transposed: str) -> int:
+    """Make `gather` (axis 0 on `table`, (vocab, d_model)) read `transposed` (d_model, vocab) by column instead;
+    returns the bytes saved when `table` is no longer read."""
+    from onnx import helper
+
+    looked_up = gather.output[0]
+    tmp = f"{looked_up}/by_column"
+    gather.input[0] = transposed
+    del gather.attribute[:]
+    gather.attribute.append(helper.make_attribute("axis", 1))  # (d_model, *ids.shape)
+    gather.output[0] = tmp
+    index = list(graph.node).index(gather)
+    perm = helper.make_node("Transpose", [tmp], [looked_up], name=f"{gather.name}/to_rows", perm=[1, 2, 0])
+    graph.node.insert(index + 1, perm)  # (batch, len, d_model), as before: ids are (batch, len) in T5's graphs
+    if _users(graph, table):
+        return 0
+    init = next(t for t in graph.initializer if t.name == table)
+    graph.initializer.remove(init)
+    return len(init.raw_data) or 4 * _numel(init)
+
+
+def share_with_decoder(encoder: onnx.ModelProto, decoder: onnx.ModelProto) -> int:
+    """Make the encoder's embedding lookup read the decoder's tied (d_model, vocab) matrix, as the decoder's own
+    lookup does after `share_tied_weights`; returns the bytes the encoder no longer holds apart.
+
+    T5's encoder and decoder embed with the one `shared` matrix, but the decoder keeps it transposed (the LM head's
+    orientation) and the encoder as rows: two layouts of the same weights, which no store by content can share. Here
+    the encoder gets an initializer holding the decoder's bytes under its own name (the export dir then stores it
+    once, `onnxstore`); the lookup runs once per call, so reading columns costs nothing measurable. Untied models
+    (T5 v1.1, Flan) have the same (vocab, d_model) table in both graphs already: nothing to do.
+    """
+    from onnx import numpy_helper
+
+    dec = {t.name: t for t in decoder.graph.initializer}
+    columns = [n.input[0] for n in decoder.graph.node if n.op_type == "Gather" and n.input[0] in dec
+               and next((a.i for a in n.attribute if a.name == "axis"), 0) == 1 and len(dec[n.input[0]].dims) == 2]
+    if not columns:
+        return 0
+    transposed = numpy_helper.to_array(dec[columns[0]])  # (d_model, vocab)
+    graph, saved = encoder.graph, 0
+    inits = {t.name: t for t in graph.initializer}
+    for n in list(graph.node):
+        table = inits.get(n.input[0]) if n.op_type == "Gather" and n.input else None
+        if table is None or next((a.i for a in n.attribute if a.name == "axis"), 0) != 0 or \
+                tuple(table.dims) != transposed.shape[::-1]:
+            continue
+        if not (numpy_helper.to_array(table) == transposed.T).all():
+            continue
+        name = f"{table.name}/transposed"
+        if name not in inits:
+            inits[name] = numpy_helper.from_array(transposed, name)
+            graph.initializer.append(inits[name])
+        saved += _by_column(graph, n, table.name, name)
+        log.info("encoder embedding %s reads the decoder's tied matrix", table.name)
     return saved
 
 

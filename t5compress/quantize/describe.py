@@ -36,12 +36,14 @@ def summary(report: dict) -> str:
 def describe(r: dict) -> list[tuple[str, str]]:
     """Mode and size against fp32, agreement with fp32, task metrics side by side, then what was tuned, measured and
     kept fp32, and what was done beyond calibrated int8."""
+    from t5compress.lineage import vs_source
     from t5compress.quantize.modes import applied, how, label
 
     size, check, name = r["size"], r["check"], label(r)
     rows = [(f"{name} {how(r)}", f"{size['fp32_bytes'] / 1e6:.2f} MB → {size['int8_bytes'] / 1e6:.2f} MB "
                             f"({size['ratio']:.2f}x), next token {check['next_token_agreement']:.2%} on "
                             f"{check['texts']} {check['on']}"),
+            *vs_source(size["int8_bytes"], size.get("source")),
             ("agreement with fp32", f"next token {check['next_token_agreement']:.2%}, greedy outputs "
                                     f"{check['greedy_agreement']:.2%} identical ({check['texts']} {check['on']})"
                                     + _logits(check))]

@@ -46,6 +46,19 @@ class Graph:
         return Graph(self.name, path, model)
 
 
+def copy_beside(src: Path, dst: Path) -> None:
+    """Copy what an export dir holds beside its graphs into `dst`: config, tokenizer, generation defaults,
+    graphs.json; not the graphs, their weights, nor the stage's own records (`t5compress.json`, `report.json`)."""
+    import shutil
+
+    from t5compress import artifacts
+
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith((ONNX_SUFFIX, ".onnx_data")) and f.name not in (
+                artifacts.META_FILE, artifacts.REPORT_FILE):
+            shutil.copy2(f, dst / f.name)
+
+
 def open_graphs(src: Path) -> dict[str, Graph]:
     """The graphs of `src`, an fp32 ONNX export with the three graphs, not quantized already: else one line saying
     what is wrong. (Whether this machine can quantize it depends on the plan: `stage._prepare` asks.)"""

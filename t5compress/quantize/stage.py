@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from t5compress import artifacts
 from t5compress.config import option as opt
 from t5compress.config import require
 from t5compress.cpu import WEIGHT_RANGES
-from t5compress.names import DECODER_MERGED, GENERATOR, GRAPHS, ONNX_SUFFIX
+from t5compress.names import DECODER, DECODER_MERGED, ENCODER, GENERATOR, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
 from t5compress.quantize.modes import METHODS, applied, method_for
 from t5compress.quantize.plan import (
@@ -167,14 +166,15 @@ def _prepare(src: Path, cfg: QuantizeConfig, method, progress: bool):
 def _make(export, tmp: Path, method) -> dict:
     """The int8 export dir in `tmp`, checked against fp32; returns the report (but the envelope's parts)."""
     from t5compress.quantize.check import check_int8
+    from t5compress.quantize.sources import copy_beside
 
     src, cfg, plan = export.src, export.cfg, export.plan
-    for f in sorted(src.iterdir()):  # config, tokenizer, graphs.json: everything but the graphs and old reports
-        if f.is_file() and not f.name.endswith((ONNX_SUFFIX, ".onnx_data")) and f.name not in (
-                artifacts.META_FILE, artifacts.REPORT_FILE):
-            shutil.copy2(f, tmp / f.name)
+    copy_beside(src, tmp)
     graphs = _quantize(export, tmp, method)
     _finish(src, tmp, cfg, plan, graphs)
+    from t5compress.onnxstore import store_once
+
+    graphs["weights"] = store_once(tmp)  # the int8 decoders' weights are byte-identical: stored once, then checked
     return {**method.settings(cfg, plan), "graphs": graphs, "size": _sizes(src, tmp), "plan": asdict(plan),
             **check_int8(src, tmp, cfg, export.checked, export.evalset, method)}
 
@@ -194,8 +194,8 @@ def _quantize(export, tmp: Path, method) -> dict:
 
 
 def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, plan, graphs: dict) -> None:
-    """Store a tied embedding once (in the LM head's int8 matrix), then re-merge the decoders and rebuild
-    generator.onnx if `src` had them.
+    """Store a tied embedding once (in the LM head's int8 matrix, which the encoder's lookup reads too), then
+    re-merge the decoders and rebuild generator.onnx if `src` had them.
 
     Not after tuning: the tuning's metric was measured on the graphs as they are, and its guarantee is about those.
     """
@@ -205,6 +205,10 @@ def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, plan, graphs: dict) -> No
         saved = {g: share_lm_head_table(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
         if any(saved.values()):
             graphs["tied_table_bytes_saved"] = saved
+        from t5compress.quantize.lookup import share_lookup  # the encoder's lookup on that table: one in the dir
+
+        graphs["encoder_lookup_bytes_saved"] = share_lookup(tmp / f"{ENCODER}{ONNX_SUFFIX}",
+                                                            tmp / f"{DECODER}{ONNX_SUFFIX}")
     if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
         from t5compress.export.onnx import write_merged
 
@@ -220,7 +224,13 @@ def _sizes(src: Path, out: Path) -> dict:
     def total(d: Path) -> int:
         return sum(f.stat().st_size for f in d.iterdir() if f.name.endswith((ONNX_SUFFIX, ".onnx_data")))
 
+    from t5compress.lineage import source_checkpoint
+
     before, after = total(src), total(out)
     files = {f.name: [f.stat().st_size, (out / f.name).stat().st_size] for f in sorted(src.iterdir())
              if f.name.endswith(ONNX_SUFFIX) and (out / f.name).is_file()}
-    return {"fp32_bytes": before, "int8_bytes": after, "ratio": round(after / before, 4), "files": files}
+    sizes = {"fp32_bytes": before, "int8_bytes": after, "ratio": round(after / before, 4), "files": files}
+    source = source_checkpoint(src)  # the safetensors the export was made from: the size users start with
+    if source:
+        sizes |= {"source": source, "vs_source": round(after / source["safetensors_bytes"], 4)}
+    return sizes

@@ -121,6 +121,13 @@ def device_ops(providers: list, device: tuple[str, int]) -> DeviceOps:
     return _OPS[key]
 
 
+def bindable(backend: Backend) -> bool:
+    """Whether `BoundDecoder` runs `backend`: both separate decoders as the stored ONNX graphs, each its own session
+    (not merged or TorchScript, nor the CPU's shared-cache rewrite with its first step on the with-past graph)."""
+    graphs = (backend.decoder, backend.decoder_with_past)
+    return all(getattr(g, "session", None) is not None and not getattr(g, "shared_cache", False) for g in graphs)
+
+
 class BoundDecoder:
     """`CachedDecoder`'s contract (step, reorder, keep) with the cache kept on the device as OrtValues."""
 

@@ -287,9 +287,11 @@ def load_runtime(
         rt.hugepage_bytes = hugepages.collapse_new(before)
         return rt
     backend, placed = open_on_device(p, threads, providers, decoders, device, shared_cache=shared)
+    from t5compress.runtime.binding import bindable
+
     if io_binding is None:  # on a GPU the cache would otherwise cross to the host and back every step
-        io_binding = placed.startswith("cuda") and hasattr(backend.decoder, "session")
-    if io_binding and not hasattr(backend.decoder, "session"):
+        io_binding = placed.startswith("cuda") and bindable(backend)
+    if io_binding and not bindable(backend):
         raise ModelError(f"--io-binding: '{p}' opened as {backend.format} with "
                          f"{'merged' if backend.format == 'onnx' else 'TorchScript'} decoders; IO binding runs the "
                          "separate ONNX decoder graphs (--decoders separate)")

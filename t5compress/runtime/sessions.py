@@ -320,12 +320,17 @@ def open_onnx(
     if onnx_decoders(path, decoders) == "merged":
         merged = graph(DECODER_MERGED)  # one session: the decoder weights are in memory once
         return Backend("onnx", graph(ENCODER), MergedStep(merged, False), MergedStep(merged, True))
-    past = None
+    past = first = None
     if shared_cache is not None and list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
         from t5compress.runtime.sharedkv import SharedGraph
 
         past = SharedGraph(shared_cache, session_options(threads, DECODER_WITH_PAST))
-    return Backend("onnx", graph(ENCODER), graph(DECODER), past or graph(DECODER_WITH_PAST))
+        if shared_cache.first is not None:  # the first step on the with-past graph: decoder weights in memory once
+            from t5compress.runtime.firststep import FirstStep
+
+            options = session_options(threads, DECODER)
+            first = FirstStep(path, shared_cache.first, past, options, lambda: graph(DECODER))
+    return Backend("onnx", graph(ENCODER), first or graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 
 def open_torchscript(

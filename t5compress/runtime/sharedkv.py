@@ -52,6 +52,7 @@ class Rewritten:
     model: bytes  # the rewritten graph, its large initializers external
     weights: dict[str, object]  # external data location -> its bytes (a file mapped, or an array made here)
     cross_per_input: bool
+    first: tuple | None = None  # `runtime.firststep.cross_graph`: the first step runs on this graph, not decoder_model
 
     def session(self, options):
         import onnxruntime as ort
@@ -73,10 +74,6 @@ def rewritten(path: Path) -> Rewritten | None:
     file = path / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}"
     if os.environ.get(ENV, "1") == "0" or not file.is_file():
         return None
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file() and f.name.startswith(DECODER_WITH_PAST))
-    if size > MAX_BYTES:
-        log.info("shared cache: %s is %d MB, over %d MB: run as stored", file, size >> 20, MAX_BYTES >> 20)
-        return None
     try:
         import onnx
     except ImportError:
@@ -85,6 +82,10 @@ def rewritten(path: Path) -> Rewritten | None:
     try:
         weights = {WEIGHTS: _mapped(file)}
         model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
+        size = file.stat().st_size + _named_bytes(model)
+        if size > MAX_BYTES:
+            log.info("shared cache: %s is %d MB, over %d MB: run as stored", file, size >> 20, MAX_BYTES >> 20)
+            return None
         weights |= {loc: _mapped(_inside(path, loc)) for loc in _locations(model) - {WEIGHTS}}
         layers = rewrite(model)
         cross = per_input_cross(model) if layers else 0
@@ -99,7 +100,20 @@ def rewritten(path: Path) -> Rewritten | None:
     log.info("shared cache: %d self-attention layers of %s on DecoderMaskedMultiHeadAttention, %s%s", layers, file,
              "the cross-attention cache per input" if cross else "the cross-attention cache per beam",
              f", {len(tables)} lookup tables by row" if tables else "")
-    return Rewritten(path, model.SerializeToString(), weights, cross > 0)
+    from t5compress.runtime.firststep import cross_graph
+
+    return Rewritten(path, model.SerializeToString(), weights, cross > 0, cross_graph(path))
+
+
+def _named_bytes(model) -> int:
+    """Bytes of the external data the graph's initializers name in the dir's files (each place once): its own data
+    file in optimum's layout, its share of weights.onnx_data in a dir that stores each weight once (`onnxstore`)."""
+    places = {}
+    for t in model.graph.initializer:
+        entry = {e.key: e.value for e in t.external_data} if t.data_location == t.EXTERNAL else {}
+        if entry and entry.get("location") != WEIGHTS:  # WEIGHTS: the graph file's own bytes, counted apart
+            places[entry.get("location"), entry.get("offset")] = int(entry.get("length") or 0)
+    return sum(places.values())
 
 
 def _array(tensor, weights: dict) -> np.ndarray:

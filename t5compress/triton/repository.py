@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from t5compress.errors import ConfigError, ModelError
-from t5compress.names import DECODER, DECODER_MASK, DECODER_WITH_PAST, ENCODER, GENERATOR, MANIFEST_FILE, ONNX_SUFFIX
+from t5compress.names import (
+    DECODER,
+    DECODER_MASK,
+    DECODER_WITH_PAST,
+    ENCODER,
+    GENERATOR,
+    MANIFEST_FILE,
+    ONNX_SUFFIX,
+    WEIGHTS_FILE,
+)
 from t5compress.runtime import contract
 from t5compress.triton import config as pbtxt
 
@@ -102,9 +111,12 @@ def leaf_model(export: Path, graph: str, name: str, kind: str, instances: int, t
 
 
 def graph_files(export: Path, graph: str) -> dict[str, Path]:
-    """One graph's ONNX file and its external-data files (optimum's names), by file name."""
+    """One graph's ONNX file and the external-data files it names (the dir's shared weights file, or optimum's
+    per-graph names), by file name."""
+    from t5compress.onnxstore import external_files
+
     onnx_file = export / f"{graph}{ONNX_SUFFIX}"
-    return {onnx_file.name: onnx_file, **{f.name: f for f in sorted(export.glob(f"{graph}{ONNX_SUFFIX}_*"))}}
+    return {onnx_file.name: onnx_file, **{Path(loc).name: export / loc for loc in external_files(onnx_file)}}
 
 
 def bls_model(export: Path, name: str, leaves: dict[str, str], instances: int, max_batch: int, queue_delay_us: int,
@@ -187,4 +199,8 @@ def write(plan: ModelPlan, repo: Path) -> None:
     for dest, src in plan.files.items():
         (version / dest).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, version / dest)  # copyfile: the umask's permissions, not the source's
+    if WEIGHTS_FILE in plan.files:  # each model loads from its own dir: keep only the weights its graphs name
+        from t5compress.onnxstore import store_once
+
+        store_once(version)
 

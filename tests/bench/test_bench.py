@@ -72,7 +72,7 @@ def test_bench_writes_json_markdown_plots_and_prints_the_table(bench_run):
     for name in ("pt", "onnx", "int8"):
         assert name in printed
     md = (out / "report.md").read_text()
-    for section in ("## Variants", "## Latency, 1 thread", "## Speed-up vs the fastest peer", "## Size vs our fp32",
+    for section in ("## Variants", "## Latency, 1 thread", "## Speed-up vs the fastest peer", "## Size",
                     "![pareto.png](pareto.png)"):
         assert section in md
     # No --expect: the report states numbers, no verdicts.
@@ -102,12 +102,19 @@ def test_sizes_are_exactly_the_files_each_engine_loads(bench_run, tiny_variants)
     _, r, _ = bench_run
     e = _entries(r)
     assert e["pt"]["files"] == ["model.safetensors"]
-    assert e["onnx"]["files"] == ["encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"]
+    assert e["onnx"]["files"] == ["encoder_model.onnx", "weights.onnx_data", "decoder_model.onnx",
+                                  "decoder_with_past_model.onnx"]  # one weights file for all graphs
     for name, entry in e.items():
         assert entry["size_bytes"] == sum((tiny_variants[name] / f).stat().st_size for f in entry["files"])
     assert e["int8"]["size_bytes"] < e["onnx"]["size_bytes"]
     assert r["sizes"]["fp32"] == "onnx"
     assert r["sizes"]["ratios"]["int8"] == round(e["int8"]["size_bytes"] / e["onnx"]["size_bytes"], 3)
+    # in bytes, and against the checkpoint the exports came from (their lineage), not only our fp32 export
+    checkpoint = (tiny_variants["pt"] / "model.safetensors").stat().st_size
+    assert r["sizes"]["bytes"] == {n: x["size_bytes"] for n, x in e.items()}
+    assert r["sizes"]["checkpoint"]["safetensors_bytes"] == checkpoint
+    assert r["sizes"]["vs_checkpoint"]["int8"] == round(e["int8"]["size_bytes"] / checkpoint, 3)
+    assert e["int8"]["source"]["safetensors_bytes"] == checkpoint
 
 
 def test_accuracy_agreement_memory_and_cold_start(bench_run):
@@ -246,7 +253,8 @@ def test_variant_kinds_lineage_and_files(tiny_model_dir, tiny_variants, tmp_path
 
     export(tiny_model_dir, ExportConfig(decoders="merged"), tmp_path / "merged")
     v = resolve(f"m={tmp_path / 'merged'}")
-    assert (v.kind, v.precision, v.files) == ("onnx", "fp32", ["encoder_model.onnx", "decoder_model_merged.onnx"])
+    assert (v.kind, v.precision, v.files) == ("onnx", "fp32", ["encoder_model.onnx", "weights.onnx_data",
+                                                       "decoder_model_merged.onnx"])
     assert v.label == "ONNX merged fp32" and v.size_bytes == sum((tmp_path / "merged" / f).stat().st_size
                                                                  for f in v.files)
     v = resolve(str(tiny_variants["int8"]))

@@ -20,7 +20,8 @@ from t5compress.export.graphs import graph_specs
 from t5compress.export.onnx import needs_external_data, save_onnx
 from t5compress.export.verify import CASES, greedy, make_batch, open_onnx
 from t5compress.model.load import load_model
-from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, present_names
+from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GRAPHS, WEIGHTS_FILE, present_names
+from t5compress.onnxstore import external_files, stored_twice, weight_bytes
 from tests.conftest import build_tiny_t5
 
 torch.set_num_threads(1)
@@ -141,7 +142,7 @@ def test_merged_decoder_is_one_if_with_shared_weights(relu_onnx):
     inputs = {i.name: i for i in merged.graph.input}
     assert inputs["use_cache_branch"].type.tensor_type.elem_type == onnx.TensorProto.BOOL
     assert [o.name for o in merged.graph.output] == ["logits", *present_names(2)]
-    size = {name.removesuffix(".onnx"): n for name, n in report["files"].items()}
+    size = {g: weight_bytes(out / f"{g}.onnx") for g in (DECODER, DECODER_WITH_PAST, DECODER_MERGED)}
     # Identical weights are stored once: well under the two decoders side by side.
     assert size[DECODER_MERGED] < 0.8 * (size[DECODER] + size[DECODER_WITH_PAST])
 
@@ -151,9 +152,9 @@ def test_gated_untied_optimised_external_data(gated_onnx):
 
     out, report = gated_onnx
     assert report["external_data"] is True
-    for g in GRAPHS:
-        assert (out / f"{g}.onnx_data").is_file()
-        assert (out / f"{g}.onnx").stat().st_size < (out / f"{g}.onnx_data").stat().st_size
+    for g in GRAPHS:  # every graph's weights in the dir's one data file (onnxstore)
+        assert external_files(out / f"{g}.onnx") == [WEIGHTS_FILE]
+        assert (out / f"{g}.onnx").stat().st_size < weight_bytes(out / f"{g}.onnx")
     assert all(d < ATOL for d in report["parity"]["max_abs_diff"].values())
     assert all(d < ATOL for d in report["parity_unoptimized"]["max_abs_diff"].values())
     assert report["parity"]["generation"]["identical"]
@@ -316,7 +317,8 @@ def _vocab_matrices(path: Path, vocab: int) -> list[tuple[int, ...]]:
 
 
 def test_tied_embedding_is_stored_once_per_graph(relu_onnx, gated_onnx, tiny_model_dir):
-    """Tied (T5 v1.0): embedding lookup and LM head read one (d, vocab) matrix; untied (v1.1) keeps both."""
+    """Tied (T5 v1.0): embedding lookups (encoder and decoder) and LM head read one (d, vocab) matrix; untied (v1.1)
+    keeps both."""
     import onnx
 
     out, report = relu_onnx
@@ -329,7 +331,9 @@ def test_tied_embedding_is_stored_once_per_graph(relu_onnx, gated_onnx, tiny_mod
     lookups = [n for n in graph.node if n.op_type == "Gather" and n.input[0] == table]
     assert len(lookups) == 1 and [(a.name, a.i) for a in lookups[0].attribute] == [("axis", 1)]
     assert any(n.op_type == "MatMul" and n.input[1] == table for n in graph.node)
-    assert _vocab_matrices(out / f"{ENCODER}.onnx", vocab) == [(vocab, d)]
+    # the encoder's lookup reads the same (d, vocab) bytes, stored once in the dir (tied.share_with_decoder)
+    assert _vocab_matrices(out / f"{ENCODER}.onnx", vocab) == [(d, vocab)]
+    assert stored_twice(out) == []
     gated_out, _ = gated_onnx
     assert sorted(_vocab_matrices(gated_out / f"{DECODER}.onnx", vocab)) == [(d, vocab), (vocab, d)]
 

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from t5compress import recipe
 from t5compress.cli import app
+from t5compress.names import WEIGHTS_FILE
 from t5compress.recipe import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,12 +171,16 @@ def test_a_tiny_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, m
     export = json.loads((out / "onnx" / "report.json").read_text())
     assert max(export["parity"]["max_abs_diff"].values()) < 1e-4  # the export matches PyTorch
     int8 = json.loads((out / "int8" / "report.json").read_text())
-    assert int8["size"]["int8_bytes"] < int8["size"]["fp32_bytes"]  # tiny layers: the graph, not weights, dominates
+    # Each weight stored once in both dirs: on these tiny layers the int8 graphs' Q/DQ structure outweighs all the
+    # weights (the int8 dir is the larger), so the weights file alone (measured 0.26x)
+    assert (out / "int8" / WEIGHTS_FILE).stat().st_size < 0.5 * (out / "onnx" / WEIGHTS_FILE).stat().st_size
     assert len((out / "data" / "train.jsonl").read_text().splitlines()) == 120
     assert json.loads((out / "model" / "report.json").read_text())["train"]["steps"] == 4
     bench = json.loads((out / "bench" / "bench.json").read_text())
     sizes = {e["name"]: e["size_bytes"] for e in bench["entries"]}
-    assert list(sizes) == ["onnx", "int8"] and sizes["int8"] < sizes["onnx"]
+    assert list(sizes) == ["onnx", "int8"]  # the bytes of the files each loads, the weights file included
+    assert sizes == {"onnx": int8["size"]["fp32_bytes"], "int8": int8["size"]["int8_bytes"]}
+    assert bench["sizes"]["checkpoint"]["safetensors_bytes"] == (out / "model" / "model.safetensors").stat().st_size
     assert bench["inputs"]["eval_examples"] == 8 and (out / "bench" / "report.md").is_file()
 
     # A rerun skips every stage (the outputs are complete and nothing changed).

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from t5compress.names import DECODER_WITH_PAST
+from t5compress.names import DECODER_WITH_PAST, WEIGHTS_FILE
 from t5compress.runtime import load_runtime, session_options
 from t5compress.runtime.sharedkv import ENV, WEIGHTS, SharedCacheDecoder, SharedGraph, open_shared, rewritten
 from t5compress.runtime.stepgraph import rewrite
@@ -60,8 +60,10 @@ def test_rewritten_step_computes_the_stored_step(dirs, name):
     before = path.read_bytes()
     layers = len([i for i in onnx.load(str(path)).graph.input if i.name.endswith(".decoder.key")])
     done = rewritten(dirs[name])
-    assert done is not None and len(done.model) < len(before) / 3 and list(done.weights) == [WEIGHTS]
+    # the graph without its weights; they stay in the dir's weights file (onnxstore), mapped, never parsed
+    assert done is not None and list(done.weights) == [WEIGHTS, WEIGHTS_FILE]
     model = onnx.load_from_string(done.model)
+    assert not [t.name for t in model.graph.initializer if len(t.raw_data) >= 1024]
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("DecoderMaskedMultiHeadAttention") == layers and "Concat" not in [
         n.op_type for n in model.graph.node if any(x.startswith("past_key_values.") for x in n.input)]
@@ -133,6 +135,21 @@ def test_graphs_the_rewrite_does_not_fit_run_as_stored(dirs, tmp_path, monkeypat
     assert not isinstance(load_runtime(merged, threads=1).backend.decoder_with_past, SharedGraph)
     monkeypatch.setenv(ENV, "0")
     assert open_shared(dirs["relu"], session_options(1)) is None
+
+
+def test_the_size_limit_counts_the_weights_in_the_shared_file(dirs, monkeypatch):
+    """In a dir that stores each weight once the with-past graph file holds only structure: the limit on what is
+    rewritten counts the weights it names in weights.onnx_data too."""
+    from t5compress.onnxstore import weight_bytes
+    from t5compress.runtime import sharedkv
+
+    graph = dirs["relu"] / f"{DECODER_WITH_PAST}.onnx"
+    assert (dirs["relu"] / "weights.onnx_data").is_file() and graph.stat().st_size < weight_bytes(graph)
+    size = graph.stat().st_size + weight_bytes(graph)
+    monkeypatch.setattr(sharedkv, "MAX_BYTES", size - 1)
+    assert rewritten(dirs["relu"]) is None
+    monkeypatch.setattr(sharedkv, "MAX_BYTES", size)
+    assert rewritten(dirs["relu"]) is not None
 
 
 def test_a_dir_with_external_data_and_a_damaged_one(dirs, tmp_path, caplog):

@@ -1,0 +1,124 @@
+"""Each weight stored once in an export dir, whatever wrote it (export fp32 / fp16, every int8 mode of quantize)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from t5compress.export import ExportConfig
+from t5compress.export import run as export
+from t5compress.names import ONNX_SUFFIX, WEIGHTS_FILE
+from t5compress.onnxstore import external_files, store_once, stored_twice
+from t5compress.quantize import QuantizeConfig
+from t5compress.quantize import run as quantize
+from t5compress.runtime import load_runtime
+
+
+@pytest.fixture(scope="module")
+def fp32_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("once") / "fp32"
+    export(tiny_model_dir, ExportConfig(), out, progress=False)
+    return out
+
+
+def _unique_bytes(d: Path) -> int:
+    """Bytes of the distinct large initializers over all graphs of `d`, whatever their names."""
+    seen = {}
+    for g in d.glob(f"*{ONNX_SUFFIX}"):
+        for t in onnx.load(str(g)).graph.initializer:
+            if len(t.raw_data) >= 1024:
+                seen[t.raw_data] = len(t.raw_data)
+    return sum(seen.values())
+
+
+def _assert_stored_once(d: Path) -> None:
+    assert stored_twice(d) == []
+    files = {loc for g in d.glob(f"*{ONNX_SUFFIX}") for loc in external_files(g)}
+    assert files == {WEIGHTS_FILE}  # every graph points into the one file
+    weights = (d / WEIGHTS_FILE).stat().st_size
+    assert _unique_bytes(d) <= weights <= _unique_bytes(d) * 1.05 + (64 << 10)  # alignment padding only
+
+
+def test_the_check_finds_a_weight_stored_twice(fp32_dir, tmp_path):
+    """optimum's layout (each graph its own weights) is what the check must catch: decoder weights in both
+    decoders, the tied embedding in every graph."""
+    old = tmp_path / "old"
+    shutil.copytree(fp32_dir, old)
+    for g in old.glob(f"*{ONNX_SUFFIX}"):
+        onnx.save_model(onnx.load(str(g)), str(g))  # inline, as the exports before this layout
+    (old / WEIGHTS_FILE).unlink()
+    twice = stored_twice(old)
+    assert any(t.startswith("decoder_with_past_model.onnx") for t in twice)
+    inline = sum(len(t.raw_data) for g in old.glob(f"*{ONNX_SUFFIX}") for t in onnx.load(str(g)).graph.initializer
+                 if len(t.raw_data) >= 1024)
+    assert inline > 1.4 * _unique_bytes(old)
+    store_once(old)
+    assert stored_twice(old) == [] and not any(f.name.endswith(".partial") for f in old.iterdir())
+
+
+def test_fp32_export_stores_each_weight_once_and_generates_the_same(fp32_dir, tiny_model_dir, tmp_path):
+    _assert_stored_once(fp32_dir)
+    inline = tmp_path / "inline"
+    shutil.copytree(fp32_dir, inline)
+    for g in inline.glob(f"*{ONNX_SUFFIX}"):
+        onnx.save_model(onnx.load(str(g)), str(g))
+    (inline / WEIGHTS_FILE).unlink()
+    ids = np.array([[5, 9, 23, 7, 1], [8, 3, 1, 0, 0]])
+    mask = (ids > 0).astype(np.int64)
+    want = load_runtime(inline).generate(ids, mask, max_new_tokens=6)
+    np.testing.assert_array_equal(load_runtime(fp32_dir).generate(ids, mask, max_new_tokens=6), want)
+    np.testing.assert_array_equal(load_runtime(fp32_dir, decoders="separate").generate(ids, mask, num_beams=2,
+                                                                                        max_new_tokens=6),
+                                  load_runtime(inline).generate(ids, mask, num_beams=2, max_new_tokens=6))
+
+
+def test_fp16_export_stores_each_weight_once(tiny_model_dir, tmp_path):
+    export(tiny_model_dir, ExportConfig(dtype="fp16"), tmp_path / "fp16", progress=False)
+    _assert_stored_once(tmp_path / "fp16")
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic", "blockwise", "int4"])
+def test_every_int8_flavour_stores_each_weight_once(mode, fp32_dir, demo_jsonl, tmp_path):
+    calib = {"calib_data": str(demo_jsonl), "samples": 16} if mode == "static" else {}
+    r = quantize(fp32_dir, QuantizeConfig(mode=mode, min_agreement=0.5, **calib), tmp_path / mode, progress=False)
+    _assert_stored_once(tmp_path / mode)
+    assert r["graphs"]["weights"]["saved_bytes"] > 0  # the two decoders' int8 weights were the same bytes
+    # the weights shrink (on a tiny model the graphs' Q/DQ structure can outweigh them, so the weights file alone)
+    assert (tmp_path / mode / WEIGHTS_FILE).stat().st_size < 0.5 * (fp32_dir / WEIGHTS_FILE).stat().st_size
+    assert r["size"]["source"]["safetensors_bytes"] > 0 and r["size"]["vs_source"] > 0
+    # one int8 embedding in the dir: the encoder's lookup reads the decoder's table (its bytes, at its offsets)
+    assert r["graphs"]["encoder_lookup_bytes_saved"] > 0
+    vocab = json.loads((fp32_dir / "config.json").read_text())["vocab_size"]
+    encoder, decoder = (_offsets(tmp_path / mode / f"{g}.onnx", vocab) for g in ("encoder_model", "decoder_model"))
+    assert encoder and encoder <= decoder
+
+
+def test_sizes_are_told_against_the_source_checkpoint(fp32_dir, tiny_model_dir, tmp_path):
+    """info and the export report give bytes against the source's model.safetensors, also once the dirs between
+    are gone (the export's report records the source)."""
+    from t5compress.info import inspect_dir
+    from t5compress.lineage import source_checkpoint
+
+    checkpoint = (tiny_model_dir / "model.safetensors").stat().st_size
+    data = inspect_dir(fp32_dir)
+    assert data["source"]["safetensors_bytes"] == checkpoint
+    report = json.loads((fp32_dir / "report.json").read_text())
+    assert report["source"] == {"path": str(tiny_model_dir.resolve()), "safetensors_bytes": checkpoint}
+    moved = tmp_path / "moved"
+    shutil.copytree(fp32_dir, moved)
+    meta = json.loads((moved / "t5compress.json").read_text())
+    meta["parent"]["path"] = str(tmp_path / "gone")
+    (moved / "t5compress.json").write_text(json.dumps(meta))
+    assert source_checkpoint(moved)["safetensors_bytes"] == checkpoint
+
+
+def _offsets(graph: Path, vocab: int) -> set[str]:
+    """Offsets into the weights file of the graph's initializers with a vocabulary axis (tables and their scales)."""
+    return {next(e.value for e in t.external_data if e.key == "offset")
+            for t in onnx.load(str(graph), load_external_data=False).graph.initializer
+            if vocab in t.dims and t.data_location == t.EXTERNAL}
