@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /
 def test_a_killed_child_not_yet_reaped_says_how_it_ended():
     child = subprocess.Popen(["sleep", "60"])
     try:
+        deadline = time.monotonic() + 10
+        while processes.how_it_ended(child.pid) == "is running":  # forked, not yet asleep in sleep(1)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         assert processes.alive(child.pid) and processes.how_it_ended(child.pid) == "is sleeping"
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
