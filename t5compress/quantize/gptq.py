@@ -45,16 +45,24 @@ class Gram:
     def by_node(self) -> dict[str, np.ndarray]:
         return {node: self.gram[x] for node, x in self.inputs.items() if x in self.gram}
 
+    def join(self, other: Gram) -> None:
+        """One X^T X for each input both measured, the two graphs' runs summed (`sources.join_decoders`)."""
+        for x in set(self.gram) & set(other.gram):
+            self.gram[x] = other.gram[x] = self.gram[x] + other.gram[x]
+
 
 def round_graphs(paths: dict[str, Path], grams: dict[str, Gram], weight_max: int = 127,
                  step=lambda: None, group: int | None = None, limits: dict[str, int] | None = None) -> dict[str, dict]:
     """{graph: {node name: (int8 weight, scales)}}: the weights of the nodes each graph's `Gram` measured, read from
     `paths[graph]` and rounded by GPTQ on that graph's inputs (`group`: see `gptq_int8`; `limits`: another
-    `weight_max` for the nodes it names, e.g. those a 4-bit model keeps 8-bit). Per graph: the decoder
-    graphs smooth each layer with their own scales (their inputs' ranges differ), so the same layer's weights differ
-    between them; the first-step graph's are rounded on the first steps' inputs alone."""
+    `weight_max` for the nodes it names, e.g. those a 4-bit model keeps 8-bit). The two decoder
+    graphs' shared layers are rounded on both graphs' inputs together (`sources.join_decoders`), so their int8
+    weights are byte-identical and stored once."""
     from onnx import numpy_helper
 
+    from t5compress.quantize.sources import join_decoders
+
+    join_decoders(grams)
     rounded: dict[str, dict] = {}
     for g, gram in grams.items():
         model, hessians, rounded[g] = load_onnx(str(paths[g])), gram.by_node(), {}

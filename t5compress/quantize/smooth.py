@@ -107,6 +107,11 @@ class ChannelMax:
             m = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0)  # (channels,)
             self.amax[name] = np.maximum(self.amax[name], m) if name in self.amax else m
 
+    def join(self, other: ChannelMax) -> None:
+        """One max for each input both measured, over the two graphs' runs (`sources.join_decoders`)."""
+        for name in set(self.amax) & set(other.amax):
+            self.amax[name] = other.amax[name] = np.maximum(self.amax[name], other.amax[name])
+
 
 def smooth(path: Path, dst: Path, groups: list[Group], amax: dict[str, np.ndarray], alpha: float) -> dict:
     """Write the rescaled graph to `dst`; returns how many groups were rescaled and how far their scales spread."""

@@ -54,7 +54,9 @@ def sessions_of(rt) -> dict:
     past = b.decoder_with_past
     graphs = {"encoder": b.encoder, "decoder": b.decoder,
               "with-past": past.many if isinstance(past, RowSplitGraph) else past}
-    return {name: g.session.get_session_options() for name, g in graphs.items()}
+    # the first step on the with-past graph (runtime.firststep) has a session of its own for the cross-attention cache
+    return {name: (g.session if hasattr(g, "session") else g.cross).get_session_options()
+            for name, g in graphs.items()}
 
 
 @pytest.mark.parametrize("count", [1, 2])
