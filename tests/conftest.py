@@ -63,10 +63,18 @@ def demo_jsonl(tmp_path_factory) -> Path:
 def skilled(tmp_path_factory) -> Path:
     """The demo (data, model, ONNX and int8 exports) trained 150 steps: real but not perfect skill (about 70-90% exact
     match on its 200 eval examples), so a quantization or pruning loss can show. Shared by the int8 test files."""
+    import torch
+
     from t5compress import demo
 
     out = tmp_path_factory.mktemp("skilled") / "demo"
-    # The quickstart recipe's stages up to `int8` (data, model-init, model, onnx, int8): no pruning, no benchmark.
-    demo.run(None, demo.DemoConfig(train_examples=2000, eval_examples=200, max_steps=150, stages=("int8",)), out,
-             progress=False)
+    # One thread, whatever ran before: torch's thread count is process-wide (a TorchScript `generate` sets it), and
+    # the trained weights, so the int8 tests' borderline metrics, differ with it.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the quickstart recipe's stages up to `int8` (data, model-init, model, onnx, int8): no pruning, no bench
+        demo.run(None, demo.DemoConfig(train_examples=2000, eval_examples=200, max_steps=150, stages=("int8",)), out,
+                 progress=False)
+    finally:
+        torch.set_num_threads(before)
     return out

@@ -144,14 +144,17 @@ class Pipeline:
         self.metric: str | None = None
 
     def use(self, graph: str, path: Path) -> None:
+        """Score with `path` as `graph` from now on; placed again even when the path is the last one's (the tuner
+        writes each candidate to the same file: compared by path, every trial after the first scored the first)."""
         self.graphs[graph] = Path(path)
+        self.placed.pop(graph, None)
 
     def _place(self) -> None:
-        """Write the graphs that changed since the last score into `dir`, each with its weights beside it."""
+        """Write the graphs given since the last score into `dir`, each with its weights beside it."""
         from t5compress.quantize.graphs import save_graph
 
         for g, path in self.graphs.items():
-            if self.placed.get(g) == path:
+            if g in self.placed:
                 continue
             dst = self.dir / f"{g}{ONNX_SUFFIX}"
             (self.dir / f"{dst.name}_data").unlink(missing_ok=True)  # onnx appends to an existing data file
