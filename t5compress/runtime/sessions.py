@@ -169,7 +169,7 @@ class OnnxGraph:
 
     def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None):
         self.name = path.stem
-        self.session = onnx_session(path, session_options(threads, path.stem), providers)
+        self.session = onnx_session(path, session_options(threads), providers)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
 
@@ -220,10 +220,9 @@ class MergedStep:
         return {n: out[n] for n in self.output_names}
 
 
-def session_options(threads: int, graph: str | None = None):
+def session_options(threads: int):
     """Sequential execution on `threads` intra-op threads (0: ONNX Runtime's default, one per physical core); with
-    more than one, the workers spin while a run lasts only (`runtime.threads`; `graph`, a graph's file stem, picks
-    its own entries there)."""
+    more than one, the workers spin while a run lasts only (`runtime.threads`)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -231,7 +230,7 @@ def session_options(threads: int, graph: str | None = None):
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    for key, value in threads_mod.pool_entries(threads, graph).items():
+    for key, value in threads_mod.pool_entries(threads).items():
         so.add_session_config_entry(key, value)
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
     so.log_severity_level = 3  # warnings about unused initializers etc. are noise for users of an export dir
@@ -324,12 +323,11 @@ def open_onnx(
     if shared_cache is not None and list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
         from t5compress.runtime.sharedkv import SharedGraph
 
-        past = SharedGraph(shared_cache, session_options(threads, DECODER_WITH_PAST))
+        past = SharedGraph(shared_cache, session_options(threads))
         if shared_cache.first is not None:  # the first step on the with-past graph: decoder weights in memory once
             from t5compress.runtime.firststep import FirstStep
 
-            options = session_options(threads, DECODER)
-            first = FirstStep(path, shared_cache.first, past, options, lambda: graph(DECODER))
+            first = FirstStep(path, shared_cache.first, past, session_options(threads), lambda: graph(DECODER))
     return Backend("onnx", graph(ENCODER), first or graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 

@@ -17,16 +17,13 @@ from pathlib import Path
 
 SPIN_IN_RUN = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
 NO_SPIN = {"session.intra_op.allow_spinning": "0"}
-PER_GRAPH: dict[str, dict[str, str]] = {}  # graph file stem -> entries over SPIN_IN_RUN for that graph's pool
 MAX_DEFAULT_THREADS = 8  # measured on 2 vCPUs only: larger machines get at most this many until measured there
 
 
-def pool_entries(threads: int, graph: str | None = None) -> dict[str, str]:
-    """Session config entries for `threads` intra-op threads (0: ONNX Runtime's default, one per physical core) of
-    the graph named `graph` (its file stem; None: any graph)."""
-    if threads == 1:
-        return dict(NO_SPIN)
-    return {**SPIN_IN_RUN, **PER_GRAPH.get(graph or "", {})}
+def pool_entries(threads: int) -> dict[str, str]:
+    """Session config entries for `threads` intra-op threads (0: ONNX Runtime's default, one per physical core); one
+    setting for every graph (a with-past pool of its own that spins between steps measured no better)."""
+    return dict(NO_SPIN if threads == 1 else SPIN_IN_RUN)
 
 
 def physical_cores(cpus: set[int] | None = None, sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:

@@ -35,13 +35,6 @@ def test_one_thread_never_spins():
     assert (entry(so, SPIN), entry(so, STOP), entry(so, INTER)) == ("0", None, "0")
 
 
-def test_a_graph_can_have_its_own_entries(monkeypatch):
-    monkeypatch.setattr(threads, "PER_GRAPH", {"decoder_with_past_model": {STOP: "0"}})
-    assert entry(session_options(2, "decoder_with_past_model"), STOP) == "0"  # spins from one step to the next
-    assert entry(session_options(2, "encoder_model"), STOP) == "1"
-    assert entry(session_options(1, "decoder_with_past_model"), STOP) is None  # one thread: no pool to spin
-
-
 @pytest.fixture(scope="module")
 def export_dir(tiny_gated_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("threads") / "onnx"
