@@ -24,7 +24,7 @@ def quantize(
                                             "fastest at batch 1, slower than static at batch > 1; with --calib-data "
                                             "smoothed and GPTQ-rounded, else no data needed.")] = False,
     bits: Annotated[int, typer.Option("--bits", help="Block-wise weight bits: 8, or 4 (half the bytes: "
-                                      "MatMulNBits with 4-bit weights, blocks of 32, int8 arithmetic; rounded by "
+                                      "MatMulNBits with 4-bit weights, blocks of 64, int8 arithmetic; rounded by "
                                       "GPTQ by default when --calib-data is given; a gated model's FFN outputs, "
                                       "and its LM head without GPTQ, stay 8-bit: --keep-8bit). Implies "
                                       "--blockwise.")] = 8,

@@ -82,7 +82,7 @@ class QuantizeConfig:
                                            "--calib-data, else 0.")
     rounding: str = opt(GPTQ, "How weights with calibration inputs are rounded (static per-token layers, block-wise "
                               "with --calib-data): gptq (errors spread over later input channels) or nearest.")
-    block_size: int = opt(0, "Block-wise: input channels per scale (16, 32, 64, 128 or 256; 0: 32 for 4-bit, for "
+    block_size: int = opt(0, "Block-wise: input channels per scale (16, 32, 64, 128 or 256; 0: 64 for 4-bit, for "
                              "int8 128 with --calib-data, else 32). Larger blocks run faster at batch 1.")
     keep_8bit: str = opt(WIDE_AUTO, "4-bit: linear layers kept 8-bit: auto (a gated model's FFN outputs "
                                     "'DenseReluDense/wo/', and its LM head unless GPTQ rounds it; none on relu "

@@ -1,5 +1,6 @@
 """Block-wise 4-bit weights (`quantize --bits 4`): MatMulNBits with bits=4 on a trained model, its size against
-block-wise int8, the same first tokens as fp32, the packing checked against ONNX Runtime, and the refusals."""
+block-wise and static int8, the same first tokens as fp32, the packing checked against ONNX Runtime, and the
+refusals."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from t5compress.quantize import QuantizeConfig, run
 from t5compress.runtime import load_runtime
 
 runner = CliRunner()
-# 4-bit / 8-bit block-wise bytes. Weights cost 0.5 + 4 / 32 bytes each against 1 + 4 / 32 (0.56x): the weights file
+# 4-bit / 8-bit block-wise bytes. Weights cost 0.5 + 4 / 64 bytes each against 1 + 4 / 32 (0.5x): the weights file
 # (each weight once, onnxstore) within WEIGHTS_SMALLER; the whole dir within SMALLER, as graph structure is a visible
-# share of this 1M-parameter model's bytes (a t5-small shape measured 0.57x, docs/quantize.md).
-SMALLER, WEIGHTS_SMALLER = 0.65, 0.6
+# share of this 1M-parameter model's bytes. Against static int8 (1 byte a weight and a scale per output channel) the
+# weights file within STATIC_SMALLER, issue 41's bound: 0.55x here at the default blocks of 64 (0.61x at 32), as the
+# t5-small shape's dir (0.556x; 0.617x at 32; docs/quantize.md).
+SMALLER, WEIGHTS_SMALLER, STATIC_SMALLER = 0.65, 0.6, 0.6
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +57,9 @@ def test_4bit_dir_holds_4bit_matmuls_generates_as_fp32_and_is_smaller_than_int8(
         weights = {t.name for t in fp32.initializer}
         linear = [n for n in fp32.node if n.op_type == "MatMul" and n.input[1] in weights]
         nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-        # every linear layer 4-bit (a relu model keeps nothing 8-bit), int8 arithmetic, blocks of 32
+        # every linear layer 4-bit (a relu model keeps nothing 8-bit), int8 arithmetic, blocks of 64
         assert len(nbits) == len(linear) > 0, g
-        for key, want in (("bits", 4), ("accuracy_level", 4), ("block_size", 32)):
+        for key, want in (("bits", 4), ("accuracy_level", 4), ("block_size", 64)):
             assert {a.i for n in nbits for a in n.attribute if a.name == key} == {want}, (g, key)
         assert not any(n.op_type == "MatMul" and n.input[1] in {t.name for t in graph.initializer}
                        for n in graph.node)
@@ -65,11 +68,15 @@ def test_4bit_dir_holds_4bit_matmuls_generates_as_fp32_and_is_smaller_than_int8(
         graph = onnx.load(str(int4 / f"{g}.onnx")).graph
         lookup = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
         assert len(lookup) == 1 and lookup[0].input[0] == "/lm_head/nbits_w", g
-    assert (r["mode"], r["bits"], r["block_size"]) == ("int4", 4, 32)
+    assert (r["mode"], r["bits"], r["block_size"]) == ("int4", 4, 64)
     ratio = _bytes(int4) / _bytes(int8)
     assert ratio < SMALLER, ratio
     weights = (int4 / WEIGHTS_FILE).stat().st_size / (int8 / WEIGHTS_FILE).stat().st_size
     assert weights < WEIGHTS_SMALLER, weights  # the encoder's lookup reads the decoders' 4-bit table: stored once
+    static = skilled / "int8"  # the demo's int8 stage: static int8
+    assert json.loads((static / "report.json").read_text())["mode"] == "static"
+    against_static = (int4 / WEIGHTS_FILE).stat().st_size / (static / WEIGHTS_FILE).stat().st_size
+    assert against_static < STATIC_SMALLER, against_static
     assert stored_twice(int4) == [] and r["graphs"]["encoder_lookup_bytes_saved"] > 0
     texts = [json.loads(line)["source"] for line in (skilled / "data" / "eval.jsonl").read_text().splitlines()[:8]]
     fp32, q4 = load_runtime(skilled / "onnx"), load_runtime(int4)
@@ -78,7 +85,7 @@ def test_4bit_dir_holds_4bit_matmuls_generates_as_fp32_and_is_smaller_than_int8(
     b = q4.generate(ids, mask, max_new_tokens=4, num_beams=1)
     assert np.array_equal(a[:, :3], b[:, :3]), (a, b)  # the first two generated tokens of every text
     assert r["check"]["next_token_agreement"] >= 0.9 and r["check"]["on"] == "eval texts"
-    assert "4-bit block-wise, blocks of 32" in r["output"] and "4-bit export →" in r["output"]
+    assert "4-bit block-wise, blocks of 64" in r["output"] and "4-bit export →" in r["output"]
     # bench names it for what it is (not "int8") and compares it with the int8 peers
     v = resolve(str(int4))
     assert (v.precision, v.label, v.owner) == ("int4", "ONNX int4 (4-bit weights)", "ours")
@@ -121,7 +128,7 @@ def _run(node, inits: dict, name: str, value: np.ndarray, kind: int) -> np.ndarr
     return session.run(None, {name: value})[0]
 
 
-def test_4bit_plan_blocks_of_32_and_what_a_gated_model_keeps_8bit():
+def test_4bit_plan_blocks_of_64_and_what_a_gated_model_keeps_8bit():
     from t5compress.quantize.modes import method_for
 
     def plan(gated: bool, **kw):
@@ -129,10 +136,10 @@ def test_4bit_plan_blocks_of_32_and_what_a_gated_model_keeps_8bit():
         return method_for(cfg.mode).resolve(cfg, gated, not gated, False)
 
     relu, gated, rounded = plan(False), plan(True), plan(True, calib_data="x.txt")
-    assert (relu.bits, relu.block_size, relu.weight_max, relu.keep_8bit, relu.rounding) == (4, 32, 7, "", "")
+    assert (relu.bits, relu.block_size, relu.weight_max, relu.keep_8bit, relu.rounding) == (4, 64, 7, "", "")
     assert gated.keep_8bit == "lm_head,DenseReluDense/wo/"  # rounded to nearest, the LM head breaks at 4 bits
-    assert (rounded.keep_8bit, rounded.rounding, rounded.block_size) == ("DenseReluDense/wo/", "gptq", 32)
-    assert plan(True, keep_8bit="none").keep_8bit == "" and plan(False, block_size=64).block_size == 64
+    assert (rounded.keep_8bit, rounded.rounding, rounded.block_size) == ("DenseReluDense/wo/", "gptq", 64)
+    assert plan(True, keep_8bit="none").keep_8bit == "" and plan(False, block_size=32).block_size == 32
     assert "4-bit weights, 8-bit: lm_head,DenseReluDense/wo/" in gated.describe()
 
 
@@ -144,8 +151,8 @@ def test_bits_other_than_4_or_8_is_one_line_and_exit_2(skilled, tmp_path):
 
 
 def test_a_4bit_result_that_breaks_the_model_is_refused(tiny_gated_dir, tmp_path):
-    """A random d_model-32 gated model has one block of 32 per row and near-tied logits: 4-bit weights pick fp32's
-    next token at about a third of the positions, and nothing is written."""
+    """A random d_model-32 gated model has one block per row (of 64, half of it padding) and near-tied logits: 4-bit
+    weights pick fp32's next token at about 40% of the positions (36% at blocks of 32), and nothing is written."""
     from t5compress.export import ExportConfig
     from t5compress.export import run as export
 
