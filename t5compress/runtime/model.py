@@ -301,6 +301,7 @@ def load_runtime(
     rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
     rt.device, rt.io_binding = placed, io_binding
     del shared
+    hugepages.trim_heap()  # what opening the sessions freed (their weights' copies before packing) back to the system
     rt.hugepage_bytes = hugepages.collapse_new(before) if placed == "cpu" else 0
     return rt
 

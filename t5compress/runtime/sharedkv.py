@@ -21,15 +21,17 @@ cache copied into a buffer one slot longer), so calibration and the one-thread s
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from t5compress.names import DECODER_WITH_PAST, ONNX_SUFFIX
+from t5compress.names import DECODER_WITH_PAST, ENCODER, ONNX_SUFFIX
 from t5compress.onnxgraph import weightless
+from t5compress.runtime.hugepages import trim_heap
 from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite, row_lookups
 
 log = logging.getLogger(__name__)
@@ -46,21 +48,47 @@ class Rewritten:
     data file, which it copies from while it opens a session. Nothing is written anywhere, and the weights are
     never parsed or serialised by the onnx package (flan-t5-small fp32: 0.8-1.0 s at load when they were, through a
     temporary file). `load_runtime` makes it before it notes the process's memory regions for huge pages (a file
-    mapping is not one of them) and drops it once the sessions are open."""
+    mapping is not one of them) and drops it once the sessions are open.
+
+    The lookup tables made at load (`stepgraph.row_lookups`) are not copied: every session that reads one is given
+    the same array (`SessionOptions.add_initializer`, which ONNX Runtime reads in place), the encoder's lookups
+    included where they gather from the same bytes (`encoder`): a tied t5-small int8 table is 16 MB, which the
+    encoder otherwise read column by column from a mapping of its own."""
 
     path: Path  # the export dir
     model: bytes  # the rewritten graph, its large initializers external
     weights: dict[str, object]  # external data location -> its bytes (a file mapped, or an array made here)
     cross_per_input: bool
     first: tuple | None = None  # `runtime.firststep.cross_graph`: the first step runs on this graph, not decoder_model
+    tables: dict[str, np.ndarray] = field(default_factory=dict)  # the lookup tables made at load, by initializer
+    encoder: tuple | None = None  # (graph, weights, tables) of the encoder, its lookups on `tables`' arrays
 
     def session(self, options):
-        import onnxruntime as ort
+        return _session_over(self.model, self.weights, self.tables, options)
 
-        if self.weights:  # the stored file (WEIGHTS), arrays made at load, and the dir's own external data files
-            names, data = list(self.weights), list(self.weights.values())
-            options.add_external_initializers_from_files_in_memory(names, data, [len(d) for d in data])
-        return ort.InferenceSession(self.model, options, providers=["CPUExecutionProvider"])
+    def encoder_session(self, options):
+        """A session of the encoder whose lookups read the with-past graph's tables, or None (see `_encoder`)."""
+        return _session_over(*self.encoder, options) if self.encoder is not None else None
+
+
+def _session_over(model: bytes, weights: dict, tables: dict, options):
+    """A CPU session of `model`: its external data copied from `weights`, except `tables` (initializer name ->
+    array), which it reads in place; the session holds them (`t5compress_tables`) as long as it lives."""
+    import onnxruntime as ort
+
+    if weights:  # the stored file (WEIGHTS), arrays made at load, and the dir's own external data files
+        names, data = list(weights), list(weights.values())
+        options.add_external_initializers_from_files_in_memory(names, data, [len(d) for d in data])
+    values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in tables.items()}
+    for name, value in values.items():
+        options.add_initializer(name, value)
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    session.t5compress_tables = values  # each OrtValue holds its array
+    for data in weights.values():  # the pages of the mapped files it copied from, unmapped (they stay cached)
+        if hasattr(data, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            data.madvise(mmap.MADV_DONTNEED)
+    trim_heap()  # and the weights' copies it freed once packed: neither held while the next session opens
+    return session
 
 
 WEIGHTS = "t5compress-sharedkv-weights"  # the stored file, as the rewritten graph's external data names it
@@ -75,21 +103,20 @@ def rewritten(path: Path) -> Rewritten | None:
     if os.environ.get(ENV, "1") == "0" or not file.is_file():
         return None
     try:
-        import onnx
+        import onnx  # noqa: F401  (the rewrite's; `_weightless` parses with it)
     except ImportError:
         log.info("shared cache: the onnx package is not installed: %s runs as stored", file)
         return None
     try:
-        weights = {WEIGHTS: _mapped(file)}
-        model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
+        model, weights = _weightless(path, file)
         size = file.stat().st_size + _named_bytes(model)
         if size > MAX_BYTES:
             log.info("shared cache: %s is %d MB, over %d MB: run as stored", file, size >> 20, MAX_BYTES >> 20)
             return None
-        weights |= {loc: _mapped(_inside(path, loc)) for loc in _locations(model) - {WEIGHTS}}
         layers = rewrite(model)
         cross = per_input_cross(model) if layers else 0
         tables = row_lookups(model, lambda t: _array(t, weights)) if layers else {}
+        tables = {n: a if a.base is None else a.copy() for n, a in tables.items()}  # kept: not views of a mapping
         weights |= _attach(model, tables)
     except Exception as e:  # a damaged or partial graph: opening it as stored says what is wrong, in one line
         log.info("shared cache: %s not rewritten (%s): run as stored", file, e)
@@ -102,7 +129,46 @@ def rewritten(path: Path) -> Rewritten | None:
              f", {len(tables)} lookup tables by row" if tables else "")
     from t5compress.runtime.firststep import cross_graph
 
-    return Rewritten(path, model.SerializeToString(), weights, cross > 0, cross_graph(path))
+    return Rewritten(path, model.SerializeToString(), weights, cross > 0, cross_graph(path), tables,
+                     _encoder(path, tables, weights))
+
+
+def _weightless(path: Path, file: Path, mapped: dict | None = None):
+    """(the graph of `file`, parsed without its weights, as `onnxgraph.weightless` gives it; its external data
+    files mapped, by location: those in `mapped` reused, so that a page read for two graphs is mapped once).
+    Needs the onnx package."""
+    import onnx
+
+    weights = {WEIGHTS: _mapped(file)}
+    model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
+    mapped = mapped or {}
+    return model, weights | {loc: mapped.get(loc) or _mapped(_inside(path, loc))
+                             for loc in _locations(model) - {WEIGHTS}}
+
+
+def _encoder(path: Path, tables: dict, mapped: dict) -> tuple | None:
+    """(graph, weights, tables) of the dir's encoder, each of its embedding lookups gathering rows of the one of
+    `tables` that holds the same values (`row_lookups`), or None where it has no such lookup or one has no equal.
+    `mapped`: the with-past graph's weights, whose mapped files it reuses."""
+    file = path / f"{ENCODER}{ONNX_SUFFIX}"
+    if not tables or not file.is_file():
+        return None
+    try:
+        model, weights = _weightless(path, file, mapped)
+        own = row_lookups(model, lambda t: _array(t, weights))
+    except Exception as e:  # the encoder opens as stored, which names what is wrong
+        log.info("shared cache: %s lookups not rewritten (%s): opened as stored", file, e)
+        return None
+    same = {name: next((t for t in tables.values() if t.shape == a.shape and t.dtype == a.dtype
+                        and np.array_equal(t, a)), None) for name, a in own.items()}
+    if not same or any(t is None for t in same.values()):
+        return None
+    read = {x for node in model.graph.node for x in node.input}
+    unread = [t for t in model.graph.initializer if t.name not in read]  # the column tables: never copied at load
+    for t in unread:
+        model.graph.initializer.remove(t)
+    weights |= _attach(model, same)
+    return model.SerializeToString(), weights, same
 
 
 def _named_bytes(model) -> int:
@@ -151,8 +217,6 @@ def _attach(model, arrays: dict) -> dict:
 
 def _mapped(file: Path):
     """The file's bytes, mapped read-only (an empty file, which cannot be mapped: empty bytes)."""
-    import mmap
-
     with open(file, "rb") as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""
 

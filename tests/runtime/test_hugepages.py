@@ -1,7 +1,9 @@
-"""The runtime moves the weights ONNX Runtime loads onto 2 MiB pages (Linux 6.1+ with transparent huge pages)."""
+"""The runtime moves the weights ONNX Runtime loads onto 2 MiB pages (Linux 6.1+ with transparent huge pages), only
+where memory is dense, and gives the C heap's free pages back after load."""
 
 from __future__ import annotations
 
+import mmap
 import platform
 import sys
 
@@ -15,22 +17,21 @@ from tests.conftest import build_tiny_t5
 CAN = hugepages.enabled() and tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit()) >= (6, 1)
 
 
-def _huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
+def _smaps_kb(address: int, field: str) -> int:
+    """`field` (Rss, AnonHugePages) of the mapping that holds `address`, in kB, from /proc/self/smaps."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_a_region_allocated_after_the_snapshot_is_collapsed_and_keeps_its_bytes():
-    import mmap
 
     expected = (np.arange(6 << 20) % 251).astype(np.uint8)
     before = hugepages.regions()
@@ -40,13 +41,47 @@ def test_a_region_allocated_after_the_snapshot_is_collapsed_and_keeps_its_bytes(
     a[:] = expected
     done = hugepages.collapse_new(before)
     if CAN:
-        assert done >= 2 << 20 and _huge_kb(a.ctypes.data + (3 << 20)) >= 2048
+        assert done >= 2 << 20 and _smaps_kb(a.ctypes.data + (3 << 20), "AnonHugePages") >= 2048
     else:
         assert done == 0
     assert np.array_equal(a, expected)
     assert hugepages.collapse_new(hugepages.regions()) == 0  # nothing new since
     del a
     region.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_a_sparse_region_is_not_collapsed_its_absent_pages_stay_absent():
+    before = hugepages.regions()
+    region = mmap.mmap(-1, 6 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(region, dtype=np.uint8)
+    a[:: 16 * mmap.PAGESIZE] = 7  # one base page in 16 written
+    rss = _smaps_kb(a.ctypes.data, "Rss")
+    assert 0 < rss <= 6 << 10 >> 4  # the written pages, about 384 kB (the mapping may share a VMA with a neighbour)
+    hugepages.collapse_new(before)
+    assert _smaps_kb(a.ctypes.data, "AnonHugePages") == 0
+    assert _smaps_kb(a.ctypes.data, "Rss") == rss  # MADV_COLLAPSE would have filled 6 MiB
+    assert int(a.sum()) == 7 * len(range(0, 6 << 20, 16 * mmap.PAGESIZE))
+    del a
+    region.close()
+
+
+def _anon_kb() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+
+def test_trim_heap_gives_the_heaps_free_pages_back():
+    # 32 MiB of 16 KiB arrays, each under the C library's mmap threshold: on the heap; the last one pins its top
+    arrays = [np.ones(16 << 10, np.uint8) for _ in range(2048)]
+    del arrays[:-1]
+    held = _anon_kb()
+    hugepages.trim_heap()
+    freed = held - _anon_kb()
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert freed > 16 << 10, freed  # kB: at least half of what was freed left the process
+    else:  # no malloc_trim: nothing to give back, and no error
+        assert freed < 4 << 10, freed
+    assert int(arrays[0].sum()) == 16 << 10
 
 
 def test_switched_off_by_the_environment(monkeypatch):

@@ -1,0 +1,48 @@
+"""The runtime's resident memory: a tied int8 lookup table held once for the encoder and the with-past step (the
+C heap's trim and the huge pages only where memory is dense: `test_hugepages`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from t5compress.runtime import load_runtime, sharedkv
+from t5compress.runtime.sessions import OnnxGraph
+from tests.runtime.test_runtime import build_model, export_with, inputs
+
+
+@pytest.fixture(scope="module")
+def int8(tmp_path_factory, demo_jsonl) -> Path:
+    """A tied random model (its LM head and embedding one table), exported and quantized static int8."""
+    from t5compress.quantize import QuantizeConfig, run
+
+    root = tmp_path_factory.mktemp("memory")
+    fp32 = export_with("onnx", build_model(root / "model", seed=0), root / "onnx")
+    # near-tie tokens of a random model flip in int8: agreement with fp32 is not what is tested here
+    run(fp32, QuantizeConfig(mode="static", calib_data=str(demo_jsonl), samples=32, min_agreement=0.0),
+        root / "int8", progress=False)
+    return root / "int8"
+
+
+def test_the_encoder_and_the_with_past_step_read_one_lookup_table(int8, monkeypatch):
+    rt = load_runtime(int8, threads=1)
+    encoder = rt.backend.encoder.session.t5compress_tables
+    past = rt.backend.decoder_with_past.session.t5compress_tables
+    # the encoder's lookup arrays are the with-past step's, by address: one copy in memory
+    assert encoder and {v.data_ptr() for v in encoder.values()} <= {v.data_ptr() for v in past.values()}
+    assert all(v.shape()[0] > v.shape()[1] for v in encoder.values() if len(v.shape()) == 2)  # (vocab, d_model)
+    ids, mask = inputs(5)
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    stored = OnnxGraph(int8 / "encoder_model.onnx", 1)  # the encoder as stored: its lookups gather columns
+    assert not hasattr(stored.session, "t5compress_tables")
+    np.testing.assert_array_equal(rt.backend.encoder.run(feeds)["last_hidden_state"],
+                                  stored.run(feeds)["last_hidden_state"])
+    monkeypatch.setattr(sharedkv, "_encoder", lambda *args: None)  # the encoder as stored, the rest as before
+    plain = load_runtime(int8, threads=1)
+    assert not hasattr(plain.backend.encoder.session, "t5compress_tables") and sharedkv.is_shared(
+        plain.backend.decoder_with_past)
+    for gen in ({}, {"num_beams": 3, "num_return_sequences": 2}):
+        np.testing.assert_array_equal(rt.generate(ids, mask, max_new_tokens=10, **gen),
+                                      plain.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
