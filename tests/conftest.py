@@ -49,6 +49,49 @@ def tiny_gated_dir(tmp_path_factory) -> Path:
     )
 
 
+def _export(src: Path, out: Path) -> Path:
+    from t5compress.export import ExportConfig
+    from t5compress.export import run as export
+
+    export(src, ExportConfig(), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_model_dir, tmp_path_factory) -> Path:
+    """`tiny_model_dir`'s default fp32 ONNX export, shared by the tests that only read it."""
+    return _export(tiny_model_dir, tmp_path_factory.mktemp("relu") / "fp32")
+
+
+@pytest.fixture(scope="session")
+def gated_export(tiny_gated_dir, tmp_path_factory) -> Path:
+    """`tiny_gated_dir`'s default fp32 ONNX export, shared by the tests that only read it."""
+    return _export(tiny_gated_dir, tmp_path_factory.mktemp("gated") / "fp32")
+
+
+@pytest.fixture(scope="session")
+def runtime_export(tmp_path_factory) -> tuple[Path, Path]:
+    """test_runtime's default model (its outputs end with EOS at different steps) and its ONNX export, shared by the
+    in-flight and Triton tests that only read them."""
+    from tests.runtime.test_runtime import build_model, export_with
+
+    root = tmp_path_factory.mktemp("runtime-export")
+    model = build_model(root / "model")
+    return model, export_with("onnx", model, root / "onnx")
+
+
+@pytest.fixture(scope="session")
+def gated_int8(gated_export, demo_jsonl, tmp_path_factory) -> tuple[Path, dict]:
+    """`gated_export` quantized by the default (static) mode on 32 calibration texts, and its report (random weights:
+    the agreement floor lowered to 0.5)."""
+    from t5compress.quantize import QuantizeConfig
+    from t5compress.quantize import run as quantize
+
+    out = tmp_path_factory.mktemp("gated-int8") / "default"
+    return out, quantize(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5),
+                         out, progress=False)
+
+
 @pytest.fixture(scope="session")
 def demo_jsonl(tmp_path_factory) -> Path:
     """A few hundred examples of the demo task as JSON Lines."""

@@ -39,13 +39,12 @@ def _recipe(path: Path, out: Path, stages: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def d(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+def d(tmp_path_factory, tiny_model_dir, tiny_export) -> dict[str, Path]:
     """Every bad input of the table, built once: damaged copies of a tiny model and of its ONNX export, files."""
     from t5compress.export.stage import ExportConfig, run
 
     base = tmp_path_factory.mktemp("bad")
-    p = {"model": tiny_model_dir, "export": base / "export"}
-    run(tiny_model_dir, ExportConfig(), p["export"])
+    p = {"model": tiny_model_dir, "export": tiny_export}
 
     def damaged(name: str, src: Path, file: str, keep: float | int | None = None) -> None:
         """A copy of `src` named `name` whose `file` is cut to `keep` (a share or a byte count), else random."""

@@ -19,13 +19,6 @@ from t5compress.quantize import run as quantize
 from t5compress.runtime import load_runtime
 
 
-@pytest.fixture(scope="module")
-def fp32_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("once") / "fp32"
-    export(tiny_model_dir, ExportConfig(), out, progress=False)
-    return out
-
-
 def _unique_bytes(d: Path) -> int:
     """Bytes of the distinct large initializers over all graphs of `d`, whatever their names."""
     seen = {}
@@ -44,11 +37,11 @@ def _assert_stored_once(d: Path) -> None:
     assert _unique_bytes(d) <= weights <= _unique_bytes(d) * 1.05 + (64 << 10)  # alignment padding only
 
 
-def test_the_check_finds_a_weight_stored_twice(fp32_dir, tmp_path):
+def test_the_check_finds_a_weight_stored_twice(tiny_export, tmp_path):
     """optimum's layout (each graph its own weights) is what the check must catch: decoder weights in both
     decoders, the tied embedding in every graph."""
     old = tmp_path / "old"
-    shutil.copytree(fp32_dir, old)
+    shutil.copytree(tiny_export, old)
     for g in old.glob(f"*{ONNX_SUFFIX}"):
         onnx.save_model(onnx.load(str(g)), str(g))  # inline, as the exports before this layout
     (old / WEIGHTS_FILE).unlink()
@@ -61,18 +54,18 @@ def test_the_check_finds_a_weight_stored_twice(fp32_dir, tmp_path):
     assert stored_twice(old) == [] and not any(f.name.endswith(".partial") for f in old.iterdir())
 
 
-def test_fp32_export_stores_each_weight_once_and_generates_the_same(fp32_dir, tiny_model_dir, tmp_path):
-    _assert_stored_once(fp32_dir)
+def test_fp32_export_stores_each_weight_once_and_generates_the_same(tiny_export, tiny_model_dir, tmp_path):
+    _assert_stored_once(tiny_export)
     inline = tmp_path / "inline"
-    shutil.copytree(fp32_dir, inline)
+    shutil.copytree(tiny_export, inline)
     for g in inline.glob(f"*{ONNX_SUFFIX}"):
         onnx.save_model(onnx.load(str(g)), str(g))
     (inline / WEIGHTS_FILE).unlink()
     ids = np.array([[5, 9, 23, 7, 1], [8, 3, 1, 0, 0]])
     mask = (ids > 0).astype(np.int64)
     want = load_runtime(inline).generate(ids, mask, max_new_tokens=6)
-    np.testing.assert_array_equal(load_runtime(fp32_dir).generate(ids, mask, max_new_tokens=6), want)
-    np.testing.assert_array_equal(load_runtime(fp32_dir, decoders="separate").generate(ids, mask, num_beams=2,
+    np.testing.assert_array_equal(load_runtime(tiny_export).generate(ids, mask, max_new_tokens=6), want)
+    np.testing.assert_array_equal(load_runtime(tiny_export, decoders="separate").generate(ids, mask, num_beams=2,
                                                                                         max_new_tokens=6),
                                   load_runtime(inline).generate(ids, mask, num_beams=2, max_new_tokens=6))
 
@@ -83,31 +76,29 @@ def test_fp16_export_stores_each_weight_once(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic", "blockwise", "int4"])
-def test_every_int8_flavour_stores_each_weight_once(mode, fp32_dir, demo_jsonl, tmp_path):
+def test_every_int8_flavour_stores_each_weight_once(mode, tiny_export, demo_jsonl, tmp_path):
     calib = {"calib_data": str(demo_jsonl), "samples": 16} if mode == "static" else {}
-    r = quantize(fp32_dir, QuantizeConfig(mode=mode, min_agreement=0.5, **calib), tmp_path / mode, progress=False)
+    r = quantize(tiny_export, QuantizeConfig(mode=mode, min_agreement=0.5, **calib), tmp_path / mode, progress=False)
     _assert_stored_once(tmp_path / mode)
     assert r["graphs"]["weights"]["saved_bytes"] > 0  # the two decoders' int8 weights were the same bytes
     # the weights shrink (on a tiny model the graphs' Q/DQ structure can outweigh them, so the weights file alone)
-    assert (tmp_path / mode / WEIGHTS_FILE).stat().st_size < 0.5 * (fp32_dir / WEIGHTS_FILE).stat().st_size
+    assert (tmp_path / mode / WEIGHTS_FILE).stat().st_size < 0.5 * (tiny_export / WEIGHTS_FILE).stat().st_size
     assert r["size"]["source"]["safetensors_bytes"] > 0 and r["size"]["vs_source"] > 0
     # one int8 embedding in the dir: the encoder's lookup reads the decoder's table (its bytes, at its offsets)
     assert r["graphs"]["encoder_lookup_bytes_saved"] > 0
-    vocab = json.loads((fp32_dir / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((tiny_export / "config.json").read_text())["vocab_size"]
     encoder, decoder = (_offsets(tmp_path / mode / f"{g}.onnx", vocab) for g in ("encoder_model", "decoder_model"))
     assert encoder and encoder <= decoder
 
 
-def test_a_gated_static_int8_smoothed_and_gptq_rounded_stores_each_decoder_weight_once(tiny_gated_dir, demo_jsonl,
+def test_a_gated_static_int8_smoothed_and_gptq_rounded_stores_each_decoder_weight_once(gated_export, demo_jsonl,
                                                                                         tmp_path):
     """SmoothQuant scales and GPTQ rounding come from calibration statistics. Measured per decoder graph, the same
     layer's statistics differed in their last bits between the two decoders (all positions at once against one step
     at a time), enough to round some int8 weights otherwise: a flan-t5-small shape's dir stored most decoder weights
     twice (1.50x CTranslate2's bytes; 1.03x with one statistic per layer). This tiny model rounds alike either way;
     the next test shows the statistics are one."""
-    fp32 = tmp_path / "fp32"
-    export(tiny_gated_dir, ExportConfig(), fp32, progress=False)
-    r = quantize(fp32, QuantizeConfig(mode="static", calib_data=str(demo_jsonl), samples=16, min_agreement=0),
+    r = quantize(gated_export, QuantizeConfig(mode="static", calib_data=str(demo_jsonl), samples=16, min_agreement=0),
                  tmp_path / "int8", progress=False)
     assert r["plan"]["smooth_alpha"] > 0 and r["plan"]["rounding"] == "gptq" and r["plan"]["gated"]
     _assert_stored_once(tmp_path / "int8")
@@ -143,19 +134,19 @@ def test_the_two_decoders_share_one_statistic_per_layer_they_both_hold():
     join_decoders({"decoder_model": grams["decoder_model"]})  # one decoder graph (a merged export): nothing to join
 
 
-def test_sizes_are_told_against_the_source_checkpoint(fp32_dir, tiny_model_dir, tmp_path):
+def test_sizes_are_told_against_the_source_checkpoint(tiny_export, tiny_model_dir, tmp_path):
     """info and the export report give bytes against the source's model.safetensors, also once the dirs between
     are gone (the export's report records the source)."""
     from t5compress.info import inspect_dir
     from t5compress.lineage import source_checkpoint
 
     checkpoint = (tiny_model_dir / "model.safetensors").stat().st_size
-    data = inspect_dir(fp32_dir)
+    data = inspect_dir(tiny_export)
     assert data["source"]["safetensors_bytes"] == checkpoint
-    report = json.loads((fp32_dir / "report.json").read_text())
+    report = json.loads((tiny_export / "report.json").read_text())
     assert report["source"] == {"path": str(tiny_model_dir.resolve()), "safetensors_bytes": checkpoint}
     moved = tmp_path / "moved"
-    shutil.copytree(fp32_dir, moved)
+    shutil.copytree(tiny_export, moved)
     meta = json.loads((moved / "t5compress.json").read_text())
     meta["parent"]["path"] = str(tmp_path / "gone")
     (moved / "t5compress.json").write_text(json.dumps(meta))

@@ -68,13 +68,9 @@ def test_every_report_is_told_by_its_stage_and_the_chain_is_read_off_the_registr
         == [("eval", "exact_match 50.0 (step 4)"), ("trained", "4 steps in 1 s")]
 
 
-def test_kinds_tell_each_directory_apart(tiny_model_dir, tmp_path):
-    from t5compress.export import ExportConfig
-    from t5compress.export import run as export
-
+def test_kinds_tell_each_directory_apart(tiny_model_dir, tiny_export, tmp_path):
     assert kinds.kind_of(tiny_model_dir).name == "model"
-    export(tiny_model_dir, ExportConfig(), tmp_path / "onnx")
-    assert kinds.kind_of(tmp_path / "onnx").name == "onnx-export"
+    assert kinds.kind_of(tiny_export).name == "onnx-export"
     assert kinds.kind_of(tmp_path / "missing") is None and kinds.kind_of("google/t5-small") is None
     (tmp_path / "qat").mkdir()
     for f in tiny_model_dir.iterdir():
@@ -83,7 +79,7 @@ def test_kinds_tell_each_directory_apart(tiny_model_dir, tmp_path):
     assert kinds.kind_of(tmp_path / "qat").name == "qat-model"
     assert kinds.export_hook(tmp_path / "qat").__name__ == "prepare_export"  # found without export importing qat
     with pytest.raises(Exception, match="is a onnx export; expected model"):
-        kinds.require_kind(tmp_path / "onnx", "model")
+        kinds.require_kind(tiny_export, "model")
 
 
 def test_bench_writes_the_stage_files_like_every_stage(tiny_model_dir, tmp_path):

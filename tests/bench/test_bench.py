@@ -23,17 +23,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def tiny_variants(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+def tiny_variants(tiny_model_dir, tiny_export, tmp_path_factory) -> dict[str, Path]:
     """The tiny model, its ONNX export and that export's dynamic int8."""
-    from t5compress.export import ExportConfig
-    from t5compress.export import run as export
     from t5compress.quantize import QuantizeConfig
     from t5compress.quantize import run as quantize
 
-    root = tmp_path_factory.mktemp("bench-variants")
-    export(tiny_model_dir, ExportConfig(), root / "onnx")
-    quantize(root / "onnx", QuantizeConfig(mode="dynamic", min_agreement=0.0), root / "int8", progress=False)
-    return {"pt": tiny_model_dir, "onnx": root / "onnx", "int8": root / "int8"}
+    int8 = tmp_path_factory.mktemp("bench-variants") / "int8"
+    quantize(tiny_export, QuantizeConfig(mode="dynamic", min_agreement=0.0), int8, progress=False)
+    return {"pt": tiny_model_dir, "onnx": tiny_export, "int8": int8}
 
 
 @pytest.fixture(scope="module")

@@ -127,9 +127,9 @@ def test_qat_keeps_the_metric_and_the_dir_loads_as_plain_fp32(qat_run):
     assert f"loss {m['fp32_start']['loss']}" in rows["fp32 (start)"]
 
 
-def test_export_of_a_qat_dir_writes_int8_qdq_graphs_that_ort_runs_with_int8_kernels(qat_run, tiny_model_dir, tmp_path):
+def test_export_of_a_qat_dir_writes_int8_qdq_graphs_that_ort_runs_with_int8_kernels(qat_run, tiny_export, tmp_path):
     out, _ = qat_run
-    fp32 = export.run(str(tiny_model_dir), export.ExportConfig(), tmp_path / "fp32")
+    fp32 = json.loads((tiny_export / "report.json").read_text())  # the fp32 export of the model QAT started from
     report = export.run(str(out), export.ExportConfig(), tmp_path / "int8")
     for name in ("encoder_model", "decoder_model", "decoder_with_past_model"):
         proto = onnx.load(str(tmp_path / "int8" / f"{name}.onnx"))
@@ -143,7 +143,7 @@ def test_export_of_a_qat_dir_writes_int8_qdq_graphs_that_ort_runs_with_int8_kern
         # The weights each graph names (in weights.onnx_data; the .onnx files hold structure, which Q/DQ makes larger).
         # Tiny model: 4-byte per-channel scales weigh 1/8 of a 32-wide int8 row, and the fp32 decoders store the tied
         # embedding once where the int8 ones keep a lookup table beside the LM head (measured 0.26-0.36x).
-        int8_bytes, fp32_bytes = (weight_bytes(tmp_path / d / f"{name}.onnx") for d in ("int8", "fp32"))
+        int8_bytes, fp32_bytes = (weight_bytes(d / f"{name}.onnx") for d in (tmp_path / "int8", tiny_export))
         assert int8_bytes < 0.5 * fp32_bytes, name
     assert report["files"][WEIGHTS_FILE] < 0.5 * fp32["files"][WEIGHTS_FILE]  # each stored once, in both dirs
     assert stored_twice(tmp_path / "int8") == []

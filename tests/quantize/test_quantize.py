@@ -3,6 +3,7 @@ inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -23,11 +24,10 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def static_dir(skilled, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("q") / "static"
-    run(skilled / "onnx", QuantizeConfig(calib_data=str(skilled / "data" / "train.jsonl"),
-                                         eval_data=str(skilled / "data" / "eval.jsonl")), out, progress=False)
-    return out
+def static_dir(skilled) -> Path:
+    """The skilled demo's `int8` stage: the default static int8, calibrated on the training texts and checked on the
+    eval texts (QuantizeConfig(calib_data=train, eval_data=eval), what this file ran again before)."""
+    return skilled / "int8"
 
 
 def _ops(path: Path) -> Counter:
@@ -65,7 +65,10 @@ def test_static_int8_stays_within_one_percent_of_fp32_and_shrinks(static_dir, sk
     # the int8 dir is an export dir like any other: the runtime generates from it
     rt = load_runtime(static_dir)
     assert rt.generate_text(["spell sorted: 914"])[0].strip() == "one four nine"
-    assert json.loads((static_dir / "t5compress.json").read_text())["stage"] == "quantize"
+    meta = json.loads((static_dir / "t5compress.json").read_text())  # the default static int8, as the fixture says
+    default = QuantizeConfig(calib_data=str(skilled / "data" / "train.jsonl"),
+                             eval_data=str(skilled / "data" / "eval.jsonl"))
+    assert meta["stage"] == "quantize" and meta["config"] == json.loads(json.dumps(dataclasses.asdict(default)))
 
 
 def test_the_runtime_gathers_the_tied_int8_table_by_row(static_dir, skilled, monkeypatch):
@@ -171,20 +174,17 @@ def test_quantizing_every_op_type_is_refused_and_writes_nothing(skilled, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]
 
 
-def test_gated_model_gets_every_linear_layer_smoothed_and_per_token_or_wo_fp32(tiny_gated_dir, demo_jsonl, tmp_path):
-    from t5compress.export import ExportConfig
-    from t5compress.export import run as export
+def test_gated_model_gets_every_linear_layer_smoothed_and_per_token_or_wo_fp32(gated_export, gated_int8, demo_jsonl,
+                                                                              tmp_path):
     from t5compress.quantize.graphs import linear_nodes
 
-    fp32 = tmp_path / "fp32"
-    export(tiny_gated_dir, ExportConfig(), fp32)
+    fp32 = gated_export
     # Random weights give flat logits, where int8 flips near-ties often: the agreement floor is lowered for them.
-    default = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5),
-                  tmp_path / "default", progress=False)
+    default_dir, default = gated_int8
     for g in ("encoder_model", "decoder_model", "decoder_with_past_model"):
         tokenwise, linear = default["graphs"][g]["per_token"], linear_nodes(onnx.load(str(fp32 / f"{g}.onnx")))
         assert default["graphs"][g]["kept_fp32"] == [] and sorted(tokenwise) == sorted(linear)
-        ops = _ops(tmp_path / "default" / f"{g}.onnx")
+        ops = _ops(default_dir / f"{g}.onnx")
         assert ops["MatMulIntegerToFloat"] == len(tokenwise) and "MatMul" in ops  # attention's products stay fp32
         assert ops["QuantizeLinear"] < len(tokenwise)  # q, k, v (and wi_0, wi_1) share their input's quantization
         smoothed = default["graphs"]["smooth_quant"][g]
@@ -213,7 +213,7 @@ def test_gated_model_gets_every_linear_layer_smoothed_and_per_token_or_wo_fp32(t
     def fp32_matrices(path: Path) -> int:  # but the relative position bias table, a lookup kept fp32
         return sum(1 for t in onnx.load(str(path)).graph.initializer if t.data_type == onnx.TensorProto.FLOAT
                    and len(t.dims) == 2 and min(t.dims) > 1 and "relative_attention_bias" not in t.name)
-    assert fp32_matrices(tmp_path / "default" / "encoder_model.onnx") == 0  # wo's weights int8 too
+    assert fp32_matrices(default_dir / "encoder_model.onnx") == 0  # wo's weights int8 too
     assert fp32_matrices(tmp_path / "kept" / "encoder_model.onnx") == len(wo)
     named = run(fp32, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
                                      keep_fp32="DenseReluDense/wo/"), tmp_path / "named", progress=False)
@@ -229,17 +229,14 @@ def test_gated_model_gets_every_linear_layer_smoothed_and_per_token_or_wo_fp32(t
 
 
 @pytest.mark.parametrize("graph", ["encoder_model", "decoder_with_past_model"])
-def test_smoothing_every_group_is_exact_in_fp32(tiny_gated_dir, tmp_path, graph):
+def test_smoothing_every_group_is_exact_in_fp32(gated_export, tmp_path, graph):
     """The migration changes no output before quantization (up to float rounding), the KV cache included."""
     import onnxruntime as ort
 
-    from t5compress.export import ExportConfig
-    from t5compress.export import run as export
     from t5compress.quantize.calibrate import TapGraph
     from t5compress.quantize.smooth import COLUMNS, NORM, ChannelMax, smooth, smooth_groups
 
-    export(tiny_gated_dir, ExportConfig(), tmp_path / "fp32")
-    src = tmp_path / "fp32" / f"{graph}.onnx"
+    src = gated_export / f"{graph}.onnx"
     groups = smooth_groups(onnx.load(str(src)))
     assert {g.fold for g in groups} == {NORM, COLUMNS}
     sess = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
@@ -416,16 +413,6 @@ def test_per_token_layers_reading_one_input_share_its_quantization(tmp_path):
     for p, y in zip("qkv", got, strict=True):
         want = x @ ws[p]
         assert np.abs(y - want).max() < 0.03 * np.abs(want).max()
-
-
-@pytest.fixture(scope="module")
-def gated_export(tiny_gated_dir, tmp_path_factory) -> Path:
-    from t5compress.export import ExportConfig
-    from t5compress.export import run as export
-
-    out = tmp_path_factory.mktemp("gated") / "fp32"
-    export(tiny_gated_dir, ExportConfig(), out)
-    return out
 
 
 def _held(obj, seen=None) -> int:

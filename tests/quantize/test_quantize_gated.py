@@ -26,16 +26,6 @@ GROUPS = 2 * 7 + 2 * 11 + 1  # 2 encoder layers (q k v o wi_0 wi_1 wo), 2 decode
 
 
 @pytest.fixture(scope="module")
-def gated_export(tiny_gated_dir, tmp_path_factory) -> Path:
-    from t5compress.export import ExportConfig
-    from t5compress.export import run as export
-
-    out = tmp_path_factory.mktemp("gated") / "onnx"
-    export(tiny_gated_dir, ExportConfig(), out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def guided(gated_export, demo_jsonl, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("guided") / "int8"
     # random weights: flat logits flip near-ties, so the safety floor is lowered; the target is the default's
@@ -128,14 +118,12 @@ def test_eval_texts_are_checked_and_a_gated_models_groups_measured_on_them(guide
     assert r["check"]["positions"] != guided["check"]["positions"]
 
 
-def test_sensitive_measures_the_per_token_layers_as_the_default_writes_them(guided, gated_export, demo_jsonl,
-                                                                           tmp_path):
+def test_sensitive_measures_the_per_token_layers_as_the_default_writes_them(guided, gated_int8):
     """On a gated model the groups are measured as the default has them (smoothed, linear layers per-token int8):
     every group int8 agrees as the default's own check does, and what is not kept fp32 is written per-token."""
     s = guided["graphs"]["sensitivity"]
     assert s["remedy"]["chosen"] == "per-token int8" and "smooth_quant" in guided["graphs"]
-    default = run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5),
-                  tmp_path / "default", progress=False)
+    default = gated_int8[1]
     assert "sensitivity" not in default["graphs"]  # no eval texts: nothing measured by default
     assert abs(s["all_int8"]["next_token_agreement"] - default["check"]["next_token_agreement"]) <= 0.005
     if s["kept"]:  # the written graphs agree as the measured mix of them did
@@ -361,7 +349,7 @@ def test_blockwise_with_calibration_texts_smooths_and_rounds_blocks_of_128_by_gp
     assert gptq >= nearest - 0.03 and gptq >= 0.9, (gptq, nearest)  # random weights; the fixtures' numbers: docs
 
 
-def test_gated_default_rounds_per_token_weights_by_gptq(gated_export, demo_jsonl, tmp_path):
+def test_gated_default_rounds_per_token_weights_by_gptq(gated_export, gated_int8, demo_jsonl, tmp_path):
     from onnx import numpy_helper
 
     def weights(d: Path, graph: str) -> dict[str, np.ndarray]:
@@ -369,16 +357,17 @@ def test_gated_default_rounds_per_token_weights_by_gptq(gated_export, demo_jsonl
         return {t.name: numpy_helper.to_array(t) for t in inits
                 if t.name.endswith(("per_token_w_int8", "per_token_w_scale"))}
 
-    runs = {r: run(gated_export, QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5,
-                                                rounding=r), tmp_path / r, progress=False)
-            for r in ("gptq", "nearest")}
+    # the default, and the default rounded to nearest
+    dirs = {"gptq": gated_int8[0], "nearest": tmp_path / "nearest"}
+    nearest = QuantizeConfig(calib_data=str(demo_jsonl), samples=32, min_agreement=0.5, rounding="nearest")
+    runs = {"gptq": gated_int8[1], "nearest": run(gated_export, nearest, dirs["nearest"], progress=False)}
     assert runs["gptq"]["rounding"] == "gptq" and runs["nearest"]["rounding"] == "nearest"
     from t5compress.quantize.modes import applied
 
     assert dict(applied(runs["gptq"]))["weights"] == "rounded by GPTQ on the calibration inputs"
     assert "weights" not in dict(applied(runs["nearest"]))
     for g in ("encoder_model", "decoder_with_past_model"):
-        a, b = weights(tmp_path / "gptq", g), weights(tmp_path / "nearest", g)
+        a, b = weights(dirs["gptq"], g), weights(dirs["nearest"], g)
         assert a.keys() == b.keys() and len(a) == 2 * len(runs["gptq"]["graphs"][g]["per_token"])
         ints = [k for k in a if k.endswith("w_int8")]
         assert all(np.array_equal(a[k.replace("int8", "scale")], b[k.replace("int8", "scale")]) for k in ints)

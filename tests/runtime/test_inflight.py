@@ -18,18 +18,17 @@ from t5compress.errors import ConfigError, ModelError
 from t5compress.names import DECODER_MASK, DECODER_WITH_PAST, MANIFEST_FILE
 from t5compress.runtime import load_runtime
 from t5compress.runtime.inflight import InflightBatch, supports_inflight
-from tests.runtime.test_runtime import build_model, hf_model, inputs, reference
+from tests.runtime.test_runtime import hf_model, inputs, reference
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
+def dirs(runtime_export, tmp_path_factory) -> dict[str, Path]:
     from t5compress.export import stage
 
-    root = tmp_path_factory.mktemp("inflight")
-    model = build_model(root / "model")
-    stage.run(model, stage.ExportConfig(atol=1e-2, inflight=True), root / "inflight")
-    stage.run(model, stage.ExportConfig(atol=1e-2), root / "plain")
-    return {"model": model, "inflight": root / "inflight", "plain": root / "plain"}
+    model, plain = runtime_export
+    inflight = tmp_path_factory.mktemp("inflight") / "inflight"
+    stage.run(model, stage.ExportConfig(atol=1e-2, inflight=True), inflight)
+    return {"model": model, "inflight": inflight, "plain": plain}
 
 
 def alone(model_dir: Path, ids: np.ndarray, mask: np.ndarray, **gen) -> list[int]:

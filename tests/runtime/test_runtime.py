@@ -70,10 +70,12 @@ def export_with(fmt: str, model_dir: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """name -> (model dir, ONNX export dir), built once for the module."""
+def exports(runtime_export, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (model dir, ONNX export dir), built once for the module; relu-tied is `build_model`'s default model,
+    built once for the session."""
     root = tmp_path_factory.mktemp("runtime")
-    return {name: (m := build_model(root / name, **kw), export_with("onnx", m, root / f"{name}-onnx"))
+    return {name: runtime_export if name == "relu-tied" else
+            (m := build_model(root / name, **kw), export_with("onnx", m, root / f"{name}-onnx"))
             for name, kw in MODELS.items()}
 
 

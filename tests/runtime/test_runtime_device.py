@@ -22,13 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def onnx_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("device") / "onnx"
-    run(tiny_model_dir, ExportConfig(), out)
-    return out
-
-
 def test_parse_device_accepts_the_documented_names_only():
     assert dev.parse_device("cpu") == dev.Device("cpu")
     assert dev.parse_device("CUDA:1") == dev.Device("cuda", 1) and dev.parse_device("cuda").name == "cuda:0"
@@ -38,33 +31,33 @@ def test_parse_device_accepts_the_documented_names_only():
             dev.parse_device(bad)
 
 
-def test_cuda_without_a_cuda_provider_is_one_line_naming_it(onnx_dir):
+def test_cuda_without_a_cuda_provider_is_one_line_naming_it(tiny_export):
     assert dev.CUDA not in dev.available_providers()  # this machine's onnxruntime is the CPU build
     with pytest.raises(ModelError, match="has no CUDA provider.*gpu-env"):
-        load_runtime(onnx_dir, device="cuda")
-    result = runner.invoke(app, ["generate", str(onnx_dir), "hello", "--device", "cuda:0"])
+        load_runtime(tiny_export, device="cuda")
+    result = runner.invoke(app, ["generate", str(tiny_export), "hello", "--device", "cuda:0"])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and "no CUDA provider" in lines[0], result.output
 
 
-def test_a_cuda_provider_that_cannot_start_is_not_a_silent_cpu_run(onnx_dir, monkeypatch):
+def test_a_cuda_provider_that_cannot_start_is_not_a_silent_cpu_run(tiny_export, monkeypatch):
     # A CUDA provider listed but unable to start: ONNX Runtime opens a CPU session; we must refuse it.
     monkeypatch.setattr(dev, "available_providers", lambda: [dev.CUDA, dev.CPU])
     with pytest.raises(ModelError, match="could not start.*nothing runs on the CPU unless --device auto"):
-        load_runtime(onnx_dir, device="cuda:0")
-    rt = load_runtime(onnx_dir, device="auto")  # auto may fall back, and says where it runs
+        load_runtime(tiny_export, device="cuda:0")
+    rt = load_runtime(tiny_export, device="auto")  # auto may fall back, and says where it runs
     assert rt.device == "cpu"
 
 
-def test_auto_on_a_cpu_machine_gives_the_cpu_tokens(onnx_dir):
+def test_auto_on_a_cpu_machine_gives_the_cpu_tokens(tiny_export):
     ids = np.random.default_rng(0).integers(3, 200, (3, 9))
-    cpu = load_runtime(onnx_dir, device="cpu")
-    auto = load_runtime(onnx_dir, device="auto")
+    cpu = load_runtime(tiny_export, device="cpu")
+    auto = load_runtime(tiny_export, device="auto")
     assert cpu.device == auto.device == "cpu"
     for beams in (1, 3):
         np.testing.assert_array_equal(auto.generate(ids, max_new_tokens=6, num_beams=beams),
                                       cpu.generate(ids, max_new_tokens=6, num_beams=beams))
-    result = runner.invoke(app, ["generate", str(onnx_dir), "hello", "--device", "auto", "--max-new-tokens", "3"])
+    result = runner.invoke(app, ["generate", str(tiny_export), "hello", "--device", "auto", "--max-new-tokens", "3"])
     assert result.exit_code == 0, result.output
 
 
@@ -94,9 +87,9 @@ def test_gpu_extra_and_makefile_name_the_same_range():
 
 
 @pytest.mark.parametrize("device, needle", [("cuda", "no CUDA provider"), ("gpu0", "device: choose cpu, cuda")])
-def test_bench_device_refusals_are_one_line_before_anything_is_measured(device, needle, onnx_dir, tmp_path):
+def test_bench_device_refusals_are_one_line_before_anything_is_measured(device, needle, tiny_export, tmp_path):
     out = tmp_path / "bench"
-    result = runner.invoke(app, ["bench", str(onnx_dir), "--out", str(out), "--device", device])
+    result = runner.invoke(app, ["bench", str(tiny_export), "--out", str(out), "--device", device])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], result.output
     assert not out.exists()

@@ -17,8 +17,9 @@ from tests.runtime.test_runtime import build_model, export_with, inputs
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
-    """A gated model with uneven head counts per decoder layer (pruned 4 -> 2 and 3), and a relu one."""
+def dirs(runtime_export, tmp_path_factory) -> dict[str, Path]:
+    """A gated model with uneven head counts per decoder layer (pruned 4 -> 2 and 3), and a relu one (with its model
+    dir)."""
     from t5compress.model import units
     from t5compress.model.layout import sync_config
     from t5compress.model.load import load_model, save_model_dir
@@ -32,9 +33,8 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     units.sync_stack(model.decoder)
     sync_config(model)
     save_model_dir(model, byte_level(), root / "pruned")
-    relu = build_model(root / "relu", seed=0)
-    return {name: export_with("onnx", m, root / f"{name}-onnx")
-            for name, m in (("pruned", root / "pruned"), ("relu", relu))}
+    return {"pruned": export_with("onnx", root / "pruned", root / "pruned-onnx"), "relu": runtime_export[1],
+            "relu-model": runtime_export[0]}
 
 
 def _step_feeds(session, rows: int, past: int, enc: int, rng) -> dict[str, np.ndarray]:
@@ -128,10 +128,10 @@ def test_graphs_the_rewrite_does_not_fit_run_as_stored(dirs, tmp_path, monkeypat
     from t5compress.export import stage
 
     inflight = tmp_path / "inflight"
-    stage.run(dirs["relu"].parent / "relu", stage.ExportConfig(atol=1e-2, inflight=True), inflight)
+    stage.run(dirs["relu-model"], stage.ExportConfig(atol=1e-2, inflight=True), inflight)
     assert open_shared(inflight, session_options(1)) is None  # the in-flight layout's masked cache
     merged = tmp_path / "merged"
-    stage.run(dirs["relu"].parent / "relu", stage.ExportConfig(atol=1e-2, decoders="merged"), merged)
+    stage.run(dirs["relu-model"], stage.ExportConfig(atol=1e-2, decoders="merged"), merged)
     assert not isinstance(load_runtime(merged, threads=1).backend.decoder_with_past, SharedGraph)
     monkeypatch.setenv(ENV, "0")
     assert open_shared(dirs["relu"], session_options(1)) is None

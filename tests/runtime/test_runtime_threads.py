@@ -4,11 +4,8 @@ SMT siblings counted once."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from t5compress.export import ExportConfig, run
 from t5compress.runtime import load_runtime, session_options, steps, threads
 from t5compress.runtime.steps import RowSplitGraph, with_few_row_steps
 
@@ -35,13 +32,6 @@ def test_one_thread_never_spins():
     assert (entry(so, SPIN), entry(so, STOP), entry(so, INTER)) == ("0", None, "0")
 
 
-@pytest.fixture(scope="module")
-def export_dir(tiny_gated_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("threads") / "onnx"
-    run(tiny_gated_dir, ExportConfig(), out)
-    return out
-
-
 def sessions_of(rt) -> dict:
     b = rt.backend
     past = b.decoder_with_past
@@ -53,8 +43,8 @@ def sessions_of(rt) -> dict:
 
 
 @pytest.mark.parametrize("count", [1, 2])
-def test_every_graph_of_a_runtime_gets_the_settings(export_dir, count):
-    rt = load_runtime(export_dir, threads=count)
+def test_every_graph_of_a_runtime_gets_the_settings(gated_export, count):
+    rt = load_runtime(gated_export, threads=count)
     opened = sessions_of(rt)
     assert set(opened) == {"encoder", "decoder", "with-past"}
     for name, so in opened.items():
@@ -62,20 +52,20 @@ def test_every_graph_of_a_runtime_gets_the_settings(export_dir, count):
         assert (entry(so, SPIN), entry(so, STOP)) == (("0", None) if count == 1 else ("1", "1")), name
 
 
-def test_the_one_thread_step_session_does_not_spin(export_dir):
-    rt = load_runtime(export_dir, threads=1)
-    split = with_few_row_steps(rt.backend, export_dir, 2, margin=float("inf"))  # always kept
+def test_the_one_thread_step_session_does_not_spin(gated_export):
+    rt = load_runtime(gated_export, threads=1)
+    split = with_few_row_steps(rt.backend, gated_export, 2, margin=float("inf"))  # always kept
     few = split.decoder_with_past.few.session.get_session_options()
     assert few.intra_op_num_threads == 1 and entry(few, SPIN) == "0"
 
 
-def test_one_thread_must_win_the_step_twice(export_dir, monkeypatch):
-    rt = load_runtime(export_dir, threads=1)
+def test_one_thread_must_win_the_step_twice(gated_export, monkeypatch):
+    rt = load_runtime(gated_export, threads=1)
     for timings, kept in (([(1.0, 0.5), (1.0, 0.5)], True), ([(1.0, 0.5), (1.0, 1.0)], False),
                           ([(1.0, 1.0)], False)):
         calls = iter(timings)
         monkeypatch.setattr(steps, "step_times", lambda *_, calls=calls: next(calls))
-        backend = with_few_row_steps(rt.backend, export_dir, 2)
+        backend = with_few_row_steps(rt.backend, gated_export, 2)
         assert isinstance(backend.decoder_with_past, RowSplitGraph) == kept
         assert next(calls, None) is None  # timed again only after one thread first won
 
@@ -94,7 +84,7 @@ def test_default_threads_count_cores_not_siblings(tmp_path, monkeypatch):
     assert threads.default_threads() == 2
 
 
-def test_generate_defaults_to_the_machines_cores(export_dir, monkeypatch):
+def test_generate_defaults_to_the_machines_cores(gated_export, monkeypatch):
     from typer.testing import CliRunner
 
     import t5compress.runtime as runtime
@@ -110,7 +100,7 @@ def test_generate_defaults_to_the_machines_cores(export_dir, monkeypatch):
     monkeypatch.setattr(runtime, "load_runtime", fake_load)
     runner = CliRunner()
     for args, want in (([], 3), (["--threads", "1"], 1), (["--threads", "0"], 0)):
-        runner.invoke(app, ["generate", str(export_dir), "hello", *args])
+        runner.invoke(app, ["generate", str(gated_export), "hello", *args])
         assert seen.pop() == want
     import typer
 

@@ -98,7 +98,7 @@ def test_kill_9_then_resume_from_the_cli(tmp_path, demo_jsonl):
     """A real SIGKILL in the middle of training; `--resume` finishes with the same weights as a clean run."""
     model_dir = build_tiny_t5(tmp_path / "m", dropout_rate=0.1)
     args = [sys.executable, "-m", "t5compress.cli", "train", str(model_dir), str(demo_jsonl)]
-    opts = ["--max-steps", "400", "--batch-size", "8", "--save-every", "2", "--eval-every", "200",
+    opts = ["--max-steps", "100", "--batch-size", "8", "--save-every", "2", "--eval-every", "50",
             "--eval-max-examples", "8", "--metric", "loss", "--lr", "1e-3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(args + [str(tmp_path / "clean")] + opts, check=True, env=env, capture_output=True)

@@ -29,17 +29,16 @@ TIMEOUT = 60.0  # a client timeout: a request that reaches it is a hang
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(runtime_export, tmp_path_factory):
     """A portable repository (leaf models in their own processes) of a tiny export, and the local runtime's texts."""
     from t5compress.runtime import load_runtime
-    from tests.runtime.test_runtime import build_model, export_with
 
     try:
         find_server()
     except Exception as e:  # noqa: BLE001 -- the server tests need `make triton-env`
         pytest.skip(str(e))
     root = tmp_path_factory.mktemp("faults")
-    export = export_with("onnx", build_model(root / "model"), root / "export")
+    export = runtime_export[1]
     run(export, TritonConfig(name="t5", portable=True), root / "repo", progress=False)
     want = {t: load_runtime(export).generate_text([t])[0] for t in TEXTS}
     return root / "repo", want

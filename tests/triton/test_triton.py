@@ -35,13 +35,10 @@ TEXTS = ["translate: hello world", "summarize: a b c d e f", "xyz", "the cat sat
 
 
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory) -> Path:
+def export_dir(runtime_export) -> Path:
     """A tiny T5 whose outputs end with EOS at different steps (test_runtime's model), so that rows batched with
     longer ones, finished beams and per-request cropping are exercised; exported by the export stage."""
-    from tests.runtime.test_runtime import build_model, export_with
-
-    root = tmp_path_factory.mktemp("triton")
-    return export_with("onnx", build_model(root / "model"), root / "export")
+    return runtime_export[1]
 
 
 @pytest.fixture(scope="module")
