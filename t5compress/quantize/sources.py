@@ -49,7 +49,10 @@ class Graph:
             return load_onnx(str(self.path))
         model = onnx.ModelProto()
         model.CopyFrom(structure)
-        load_external_data_for_model(model, str(self.path.parent))
+        try:
+            load_external_data_for_model(model, str(self.path.parent))
+        except Exception:  # OSError, onnx's own: a missing or cut weights file, which load_onnx names in one line
+            return load_onnx(str(self.path))
         return model
 
     def rewritten(self, model, path: Path) -> Graph:
