@@ -36,22 +36,24 @@ ALIGN = 4096  # the page size: ONNX Runtime maps an external tensor from the fil
 ALIGN_FROM = 64 << 10  # tensors of this size and more are aligned (smaller ones would waste up to 4 KiB each)
 
 
-def store_once(path: str | os.PathLike, min_bytes: int = MIN_BYTES) -> dict:
+def store_once(path: str | os.PathLike, models: dict[str, onnx.ModelProto] | None = None,
+               min_bytes: int = MIN_BYTES) -> dict:
     """Rewrite every ONNX graph in the dir `path` so that its large initializers are stored once, in `WEIGHTS_FILE`;
-    external data files the graphs named before are deleted. Returns what was stored (tensors, unique ones, bytes,
-    bytes saved against one copy per initializer)."""
+    external data files the graphs named before are deleted. `models`: graphs by file name held in memory (weights
+    loaded), written here as they are, each file parsed by no one; the dir's other graph files are each parsed
+    once. Returns what was stored (tensors, unique ones, bytes, bytes saved against one copy per initializer)."""
     import onnx
 
-    p = Path(path)
-    graphs = sorted(f for f in p.glob(f"*{ONNX_SUFFIX}") if f.is_file())
-    old = {p / loc for g in graphs for loc in external_files(g)}
+    p, models = Path(path), dict(models or {})
+    names = sorted({f.name for f in p.glob(f"*{ONNX_SUFFIX}") if f.is_file()} | set(models))
+    old: set[Path] = set()
     scratch = p / f".{WEIGHTS_FILE}.partial"
     offsets: dict[bytes, tuple[int, int]] = {}  # content hash -> (offset, length)
     count = total = 0
     try:
         with open(scratch, "wb") as data:
-            for g in graphs:
-                model = onnx.load(str(g), load_external_data=True)
+            for name in names:
+                model = models.pop(name) if name in models else _load(p / name, old)
                 for t in _initializers(model.graph):
                     raw = _raw(t)
                     if raw is None or len(raw) < min_bytes:
@@ -61,9 +63,9 @@ def store_once(path: str | os.PathLike, min_bytes: int = MIN_BYTES) -> dict:
                     if key not in offsets:
                         offsets[key] = (_append(data, raw), len(raw))
                     _point(t, *offsets[key])
-                tmp = g.with_name(f".{g.name}.partial")
+                tmp = p / f".{name}.partial"
                 onnx.save_model(model, str(tmp))  # every large tensor is external already: a small file
-                os.replace(tmp, g)
+                os.replace(tmp, p / name)
         os.replace(scratch, p / WEIGHTS_FILE)
     finally:
         scratch.unlink(missing_ok=True)
@@ -75,11 +77,25 @@ def store_once(path: str | os.PathLike, min_bytes: int = MIN_BYTES) -> dict:
     return {"tensors": count, "unique": len(offsets), "bytes": unique, "saved_bytes": total - unique}
 
 
+def _load(graph: Path, old: set[Path]) -> onnx.ModelProto:
+    """The graph file `graph`, parsed once, its weights loaded; the external data files it named join `old`."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model
+
+    model = onnx.load(str(graph), load_external_data=False)
+    old |= {graph.parent / loc for loc in _locations(model)}
+    load_external_data_for_model(model, str(graph.parent))
+    return model
+
+
 def external_files(graph: str | os.PathLike) -> list[str]:
     """The external data files (locations relative to its dir) the ONNX file `graph` names, without loading them."""
     import onnx
 
-    model = onnx.load(str(graph), load_external_data=False)
+    return _locations(onnx.load(str(graph), load_external_data=False))
+
+
+def _locations(model: onnx.ModelProto) -> list[str]:
     seen: dict[str, None] = {}
     for t in _initializers(model.graph):
         if t.data_location == t.EXTERNAL:

@@ -213,20 +213,27 @@ def _needed(nodes: list, outputs: list[str]) -> list:
 def write_generator(out: Path, external: bool | None = None) -> list[Path]:
     """Build `out/generator.onnx` from the three graphs in `out` and record it in graphs.json; returns files
     written. `external`: keep the weights in generator.onnx_data (None: when they pass 1 GiB)."""
-    graphs = [load_onnx(out / f"{name}{ONNX_SUFFIX}") for name in (ENCODER, DECODER, DECODER_WITH_PAST)]
-    config = json.loads((out / "config.json").read_text())
-    gen_file = out / "generation_config.json"
-    settings = generator_settings(config, json.loads(gen_file.read_text()) if gen_file.is_file() else {})
-    model = build_generator(*graphs, config, settings)
+    model = generator_model(out, *(load_onnx(out / f"{name}{ONNX_SUFFIX}") for name in (ENCODER, DECODER,
+                                                                                          DECODER_WITH_PAST)))
     if external is None:
         external = needs_external_data(sum(len(t.raw_data) for t in model.graph.initializer))
     files = save_onnx(model, out / f"{GENERATOR}{ONNX_SUFFIX}", external)
+    log.info("in-graph search written to %s (%d shared weights)", files[0], len(model.graph.initializer))
+    return files
+
+
+def generator_model(out: Path, encoder, decoder, with_past) -> onnx.ModelProto:
+    """The BeamSearch model over the three graphs given (in memory), with the export dir `out`'s config and
+    generation settings; recorded in `out`'s graphs.json (the caller writes it)."""
+    config = json.loads((out / "config.json").read_text())
+    gen_file = out / "generation_config.json"
+    settings = generator_settings(config, json.loads(gen_file.read_text()) if gen_file.is_file() else {})
+    model = build_generator(encoder, decoder, with_past, config, settings)
     manifest_path = out / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     manifest[GENERATOR] = {"inputs": list(GENERATOR_INPUTS), "outputs": list(GENERATOR_OUTPUTS), **settings}
     manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
-    log.info("in-graph search written to %s (%d shared weights)", files[0], len(model.graph.initializer))
-    return files
+    return model
 
 
 def same_rows(a, b, tok, beams: int) -> int:

@@ -270,18 +270,22 @@ def remove_graph(out: Path, name: str) -> None:
 
 def write_merged(out: Path, external: bool) -> list[Path]:
     """Build `decoder_model_merged.onnx` from the two decoder graphs already in `out`."""
-    import onnx
-
     no_past = load_onnx(str(out / f"{DECODER}{ONNX_SUFFIX}"))
     with_past = load_onnx(str(out / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}"))
-    merged = merge_decoders(no_past, with_past)
     path = out / f"{DECODER_MERGED}{ONNX_SUFFIX}"
-    files = save_onnx(merged, path, external)
+    files = save_onnx(merge_decoders(no_past, with_past), path, external)
+    check_merged(path)
+    return files
+
+
+def check_merged(path: Path) -> None:
+    """An ExportError unless the merged decoder written at `path` is a valid ONNX model."""
+    import onnx
+
     try:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as e:
         raise ExportError(f"merged decoder is not a valid ONNX model: {first_line(e)}") from e
-    return files
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -68,15 +68,17 @@ class TapGraph:
     those tensors go to the statistics, the graph's own outputs to the runtime. A run is split by rows so that it
     computes at most `tokens` tokens and returns at most `budget` bytes (its outputs and the extra tensors)."""
 
-    def __init__(self, path: Path, stats: Sequence[Statistic], work: Path, threads: int, tokens: int = RUN_TOKENS,
+    def __init__(self, graph, stats: Sequence[Statistic], work: Path, threads: int, tokens: int = RUN_TOKENS,
                  budget: int = RUN_BYTES):
+        """`graph`: a `sources.Graph` (its weights are read from the structure it parsed already)."""
         import onnx
         import onnxruntime as ort
 
         from t5compress.quantize.graphs import save_graph
-        from t5compress.runtime.sessions import load_onnx, onnx_session, session_options
+        from t5compress.runtime.sessions import onnx_session, session_options
 
-        model = load_onnx(str(path))
+        path = graph.path
+        model = graph.weights()
         self.name, self.stats = path.stem, list(stats)
         self.output_names = tuple(o.name for o in model.graph.output)
         self.reads = [list(s.augment(model)) for s in self.stats]
@@ -138,11 +140,11 @@ def batches(texts: Sequence[str], size: int) -> Iterator[list[str]]:
         yield [texts[j] for j in order[i : i + size]]
 
 
-def drive(src: Path, graphs: dict[str, Path], texts: Sequence[str], stats: dict[str, list[Statistic]],
+def drive(src: Path, graphs: dict, texts: Sequence[str], stats: dict[str, list[Statistic]],
           batch_size: int, max_new_tokens: int, work: Path, threads: int = 0,
           progress: Callable[[int], None] | None = None) -> dict[str, int]:
     """Generate greedily over `texts` with the export dir `src`'s tokenizer and settings, running each graph from
-    `graphs` (its fp32 graphs, or rewritten ones such as smoothed) with its `stats` tapping it.
+    `graphs` (`sources.Graph`s: its fp32 graphs, or rewritten ones such as smoothed) with its `stats` tapping it.
 
     Returns the number of feeds each graph saw. Texts longer than the model's input limit are truncated as
     `generate` truncates them, and said so in one warning."""

@@ -13,11 +13,7 @@ too, GPTQ kept 95.9% / 73.6% against 95.2% / 72.1% rounded to nearest (docs/quan
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-
-from t5compress.runtime.sessions import load_onnx
 
 BLOCK = 128  # input channels rounded before the rest are updated at once (GPTQ's lazy batch update)
 DAMP = 0.01  # added to the Gram matrix's diagonal, as a share of its mean: keeps it invertible
@@ -51,25 +47,33 @@ class Gram:
             self.gram[x] = other.gram[x] = self.gram[x] + other.gram[x]
 
 
-def round_graphs(paths: dict[str, Path], grams: dict[str, Gram], weight_max: int = 127,
+def round_graphs(graphs: dict, grams: dict[str, Gram], weight_max: int = 127,
                  step=lambda: None, group: int | None = None, limits: dict[str, int] | None = None) -> dict[str, dict]:
     """{graph: {node name: (int8 weight, scales)}}: the weights of the nodes each graph's `Gram` measured, read from
-    `paths[graph]` and rounded by GPTQ on that graph's inputs (`group`: see `gptq_int8`; `limits`: another
-    `weight_max` for the nodes it names, e.g. those a 4-bit model keeps 8-bit). The two decoder
+    `graphs[graph]` (a `sources.Graph`) and rounded by GPTQ on that graph's inputs (`group`: see `gptq_int8`;
+    `limits`: another `weight_max` for the nodes it names, e.g. those a 4-bit model keeps 8-bit). The two decoder
     graphs' shared layers are rounded on both graphs' inputs together (`sources.join_decoders`), so their int8
-    weights are byte-identical and stored once."""
+    weights are byte-identical and stored once; each is rounded once (the same weight bytes on the same X^T X, the
+    same limit: the first graph's result is reused)."""
+    import hashlib
+
     from onnx import numpy_helper
 
     from t5compress.quantize.sources import join_decoders
 
     join_decoders(grams)
     rounded: dict[str, dict] = {}
+    done: dict[tuple, tuple] = {}  # (weight's sha256, id of its X^T X, weight_max) -> (int8, scales, that X^T X)
     for g, gram in grams.items():
-        model, hessians, rounded[g] = load_onnx(str(paths[g])), gram.by_node(), {}
+        model, hessians, rounded[g] = graphs[g].weights(), gram.by_node(), {}
         inits = {t.name: t for t in model.graph.initializer}
         for node in (n for n in model.graph.node if n.name in hessians):
-            rounded[g][node.name] = gptq_int8(numpy_helper.to_array(inits[node.input[1]]), hessians[node.name],
-                                              (limits or {}).get(node.name, weight_max), group)
+            w, h, wmax = numpy_helper.to_array(inits[node.input[1]]), hessians[node.name], (limits or {}).get(
+                node.name, weight_max)
+            key = (hashlib.sha256(w.tobytes()).digest(), w.shape, id(h), wmax)  # the joined X^T X is one array
+            if key not in done:
+                done[key] = (*gptq_int8(w, h, wmax, group), h)  # h kept: its id stays its own
+            rounded[g][node.name] = done[key][:2]
             step()
     return rounded
 

@@ -97,8 +97,9 @@ def shared_embeddings(model: onnx.ModelProto) -> list:
             and users.get(node.input[0], 0) > 1 and node.input[0] in inits]
 
 
-def share_lm_head_table(path: Path) -> int:
-    """In a quantized graph, make each embedding lookup read the LM head's int8 matrix; returns bytes saved.
+def share_lm_head_table(model: onnx.ModelProto) -> int:
+    """In a quantized graph (changed in place), make each embedding lookup read the LM head's int8 matrix; returns
+    bytes saved.
 
     `untie_embeddings` gave the lookup its own copy so that ONNX Runtime's quantizer could treat the two consumers
     differently; once quantized, the LM head's int8 matrix (one scale per vocabulary entry) is as good a table for the
@@ -106,7 +107,6 @@ def share_lm_head_table(path: Path) -> int:
     by their own scales. On disk the tied matrix is then stored once, in int8, and no step dequantizes the whole
     table (a DequantizeLinear of the full matrix feeding the Gather made every t5-small decoder step ~6x slower).
     """
-    model = load_onnx(str(path))
     inits, producers, users = graph_index(model.graph)
     saved, dead = 0, set()
     for node in list(model.graph.node):
@@ -133,7 +133,7 @@ def share_lm_head_table(path: Path) -> int:
             node.output[0] = out
     if not dead:
         return 0
-    save_without(model, dead, path)
+    sort_nodes(model, dead)
     return saved
 
 
@@ -178,13 +178,6 @@ def save_graph(model: onnx.ModelProto, path: Path, external: bool = False) -> No
                         location=path.name + "_data", size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
-
-
-def save_without(model: onnx.ModelProto, dead: set[str], path: Path) -> None:
-    """Write `model` to `path` without the nodes named in `dead`, the others in topological order (a rewrite appends
-    its new nodes at the end)."""
-    sort_nodes(model, dead)
-    onnx.save(model, str(path))
 
 
 def sort_nodes(model: onnx.ModelProto, drop: set[str] = frozenset()) -> None:

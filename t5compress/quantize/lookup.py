@@ -13,12 +13,10 @@ lookup stays, and the stage's agreement check runs on the result.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import onnx
 
 from t5compress.quantize.graphs import EMBEDDING, sort_nodes
-from t5compress.runtime.sessions import load_onnx
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +24,10 @@ PREFIX = "shared_lookup/"  # the copied nodes' and initializers' names in the en
 GATHERS = ("Gather", "GatherBlockQuantized")  # a lookup's row gather: int8 rows, or 4-bit blocks (`nbits`)
 
 
-def share_lookup(encoder: Path, decoder: Path) -> int:
-    """Make the lookup of the graph file `encoder` a copy of the graph file `decoder`'s; returns the bytes of the
+def share_lookup(enc: onnx.ModelProto, dec: onnx.ModelProto) -> int:
+    """Make the lookup of the graph `enc` (changed in place) a copy of the graph `dec`'s; returns the bytes of the
     encoder's own tables that went (0 when either graph has no lookup of the exported tied form: untied models, whose
     tables are the same bytes already)."""
-    enc, dec = load_onnx(str(encoder)), load_onnx(str(decoder))
     theirs, mine = _lookup(dec.graph), _lookup(enc.graph)
     if theirs is None or mine is None:
         return 0
@@ -60,7 +57,6 @@ def share_lookup(encoder: Path, decoder: Path) -> int:
     unread = [t for t in enc.graph.initializer if t.name not in read]
     for t in unread:
         enc.graph.initializer.remove(t)
-    onnx.save_model(enc, str(encoder))
     saved = sum(before.get(t.name, 0) for t in unread)
     log.info("encoder lookup reads the decoder's table (%d nodes; %.1f MB of the encoder's own went)", len(nodes),
              saved / 1e6)

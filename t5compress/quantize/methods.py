@@ -134,7 +134,7 @@ class StaticGraph:
 
     def __init__(self, graph, plan: Plan, method: str, work: Path, percentile: float = 99.999):
         """`graph`: a `sources.Graph` (its file and its structure)."""
-        self.src, self.plan, self.method, self.work = graph.path, plan, method, work
+        self.graph, self.src, self.plan, self.method, self.work = graph, graph.path, plan, method, work
         try:
             tensors = calibrated_tensors(graph.model, plan)
         except Exception as e:  # onnx's own types
@@ -152,10 +152,10 @@ class StaticGraph:
 
     def write(self, dst: Path, fmt: str, per_channel: bool, reduce_range: bool = False, plan: Plan | None = None,
               outputs: bool = True) -> None:
-        """The int8 graph of `plan` (default: the one calibrated for); the ranges are computed once, so one
-        calibration can write several plans. `outputs=False` leaves the linear layers' outputs fp32 (ONNX Runtime's
-        QDQ quantizer otherwise rounds them to uint8 too: every residual contribution, the gate's inputs, the
-        logits)."""
+        """The int8 graph of `plan` (default: the one calibrated for) written to `dst`; the ranges are computed once,
+        so one calibration can write several plans. `outputs=False` leaves the linear layers' outputs fp32 (ONNX
+        Runtime's QDQ quantizer otherwise rounds them to uint8 too: every residual contribution, the gate's inputs,
+        the logits)."""
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
         from onnxruntime.quantization.calibrate import save_tensors_data
 
@@ -181,20 +181,37 @@ class StaticGraph:
                                **({} if outputs else {"OpTypesToExcludeOutputQuantization": ["MatMul", "Gemm"]})},
             )
 
+    def quantized(self, fmt: str, per_channel: bool, reduce_range: bool = False, plan: Plan | None = None,
+                  outputs: bool = True):
+        """`write`'s int8 graph in memory (ONNX Runtime's quantizer writes it into `work`, read back once)."""
+        if (plan or self.plan).nodes or not self.feeds:
+            dst = self.work / f"{self.src.stem}.int8.onnx"
+            self.write(dst, fmt, per_channel, reduce_range, plan, outputs)
+            return _parsed(dst)
+        return self.graph.weights()
 
-def write_dynamic(src: Path, dst: Path, plan: Plan, per_channel: bool, reduce_range: bool = False) -> None:
-    """Dynamic int8: int8 weights on disk, uint8 activations quantized per call (7-bit weights if `reduce_range`)."""
+
+def dynamic_int8(graph, work: Path, plan: Plan, per_channel: bool, reduce_range: bool = False):
+    """Dynamic int8 of `graph` (a `sources.Graph`), in memory: int8 weights on disk, uint8 activations quantized per
+    call (7-bit weights if `reduce_range`). ONNX Runtime's quantizer writes it into `work`, read back once."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     if not plan.nodes:
-        _unquantized(src, dst)
-        return
+        return graph.weights()
+    dst = work / f"{graph.path.stem}.int8.onnx"
     with _quiet():
         quantize_dynamic(
-            src, dst, op_types_to_quantize=list(plan.op_types), per_channel=per_channel, reduce_range=reduce_range,
-            weight_type=QuantType.QInt8, nodes_to_quantize=list(plan.nodes), nodes_to_exclude=list(plan.exclude),
-            extra_options={"MatMulConstBOnly": True},
+            graph.path, dst, op_types_to_quantize=list(plan.op_types), per_channel=per_channel,
+            reduce_range=reduce_range, weight_type=QuantType.QInt8, nodes_to_quantize=list(plan.nodes),
+            nodes_to_exclude=list(plan.exclude), extra_options={"MatMulConstBOnly": True},
         )
+    return _parsed(dst)
+
+
+def _parsed(path: Path):
+    from t5compress.runtime.sessions import load_onnx
+
+    return load_onnx(str(path))
 
 
 def _unquantized(src: Path, dst: Path) -> None:
@@ -204,26 +221,24 @@ def _unquantized(src: Path, dst: Path) -> None:
     the tiny gated test model)."""
     import onnx
 
-    from t5compress.runtime.sessions import load_onnx
-
-    onnx.save(load_onnx(str(src)), str(dst))
+    onnx.save(_parsed(src), str(dst))
 
 
-def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict | None = None, bits: int = 8,
-                    wide: frozenset[str] = frozenset()) -> None:
+def blockwise(graph, plan: Plan, block: int, rounded: dict | None = None, bits: int = 8,
+              wide: frozenset[str] = frozenset()):
     """Block-wise int8 or 4-bit: each linear layer as ONNX Runtime's MatMulNBits with `bits`-bit weights (those in
     `wide` 8-bit), one scale per block of `block` input channels, and `accuracy_level` 4 (activations quantized to
     int8 per block at run time, int8 multiply-adds). `rounded`: {node name: (int (in, out), scales (in / block,
     out))}, e.g. `gptq.gptq_int8`'s with `group=block`; the other weights are rounded to nearest. The embedding
     lookups gather int8 rows, each with its own scale (`graphs.int8_row_lookups`), or at 4 bits 4-bit blocks
-    (`nbits.block_lookups4`); a tied one reads the LM head's packed blocks instead (`_lookup_packed`)."""
-    import onnx
+    (`nbits.block_lookups4`); a tied one reads the LM head's packed blocks instead (`_lookup_packed`). `graph`: a
+    `sources.Graph`; returns the rewritten graph, in memory."""
     from onnx import helper, numpy_helper
 
     from t5compress.quantize.graphs import int8_row_lookups, sort_nodes
     from t5compress.quantize.nbits import WEIGHT_MAX, block_lookups4, lookup_packed4, pack_blocks4
 
-    model = onnx.load(str(src))
+    model = graph.weights()
     tied = _tied_lookups(model, plan)
     untied = set(plan.nodes) - set(tied)
     four = block_lookups4(model, untied - wide, block) if bits == 4 else set()
@@ -256,7 +271,7 @@ def write_blockwise(src: Path, dst: Path, plan: Plan, block: int, rounded: dict 
     read = _read(model.graph)  # a fp32 weight stays only where a node still reads it (a tied table under
     for t in [t for t in model.graph.initializer if t.name not in read]:  # --no-embeddings)
         model.graph.initializer.remove(t)
-    onnx.save(model, str(dst))
+    return model
 
 
 def _read(graph) -> set[str]:

@@ -4,17 +4,16 @@ calibration texts, how it resolves the `auto` choices into a plan, how it writes
 
     method = method_for(cfg.mode)
     plan = method.resolve(cfg, gated, tied, held=bool(eval_texts))
-    graphs_report = method.quantize(export, tmp, held)
+    graphs_report, models = method.quantize(export, held)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 from t5compress.config import choose
 from t5compress.cpu import FULL_WEIGHT_MAX, weight_max
-from t5compress.names import GRAPHS, ONNX_SUFFIX
+from t5compress.names import GRAPHS
 from t5compress.quantize.plan import (
     AUTO_ALPHA,
     EVERY_GROUP,
@@ -36,12 +35,14 @@ from t5compress.quantize.plan import (
 
 @dataclass
 class Written:
-    """What a method wrote: the node plans, the per-token layers, the feeds each graph saw, the sensitivity report."""
+    """What a method made: the node plans, the per-token layers, the feeds each graph saw, the sensitivity report, and
+    the int8 graphs (in memory, by graph name)."""
 
     plans: dict
     tokenwise: dict[str, list[str]]
     feeds: dict[str, int]
     sensitivity: dict | None = None
+    models: dict = field(default_factory=dict)
 
 
 class Method:
@@ -82,9 +83,9 @@ class Method:
         """The method as a report of it is shown: its name and what sets the run apart."""
         return self.name
 
-    def quantize(self, export, tmp: Path, held: list[str] | None) -> dict:
-        """Write the three graphs into `tmp` from `export` (untied, smoothed first as the plan says); returns the
-        `graphs` part of the report. `held`: eval texts, which a guided choice of groups is measured on."""
+    def quantize(self, export, held: list[str] | None) -> tuple[dict, dict]:
+        """The three int8 graphs (in memory) from `export` (untied, smoothed first as the plan says), and the `graphs`
+        part of the report. `held`: eval texts, which a guided choice of groups is measured on."""
         plan = export.plan
         if export.cfg.embeddings:
             export.untie()
@@ -93,7 +94,7 @@ class Method:
         lookups = {}
         if plan.row_lookups:  # (a tied table's lookup reads the LM head's int8 matrix instead)
             plans, lookups = export.row_lookups(plans)
-        done = self.write(export, plans, tokenwise, tmp, held)
+        done = self.write(export, plans, tokenwise, held)
         out = {g: {"quantized_nodes": len(done.plans[g].nodes) + len(done.tokenwise[g]),
                    "kept_fp32": [n for n in done.plans[g].exclude if n not in done.tokenwise[g]],
                    "per_token": done.tokenwise[g], **({"calibration_feeds": done.feeds[g]} if done.feeds else {})}
@@ -104,9 +105,9 @@ class Method:
             out["smooth_quant"] = smoothing
         if done.sensitivity:
             out["sensitivity"] = done.sensitivity
-        return out
+        return out, done.models
 
-    def write(self, export, plans: dict, tokenwise: dict, tmp: Path, held: list[str] | None) -> Written:
+    def write(self, export, plans: dict, tokenwise: dict, held: list[str] | None) -> Written:
         raise NotImplementedError
 
 
@@ -152,23 +153,23 @@ class Static(Method):
     def weights_note(self, report: dict, tokenwise: set[str]) -> str | None:
         return "rounded by GPTQ on the calibration inputs" if tokenwise and report.get("rounding") == GPTQ else None
 
-    def write(self, export, plans: dict, tokenwise: dict, tmp: Path, held: list[str] | None) -> Written:
+    def write(self, export, plans: dict, tokenwise: dict, held: list[str] | None) -> Written:
         from t5compress.quantize.static import write_static
 
-        return Written(*write_static(export, plans, tokenwise, tmp, held))
+        return Written(*write_static(export, plans, tokenwise, held))
 
 
 class Dynamic(Method):
     name = "dynamic"
     help = "ranges computed per call"
 
-    def write(self, export, plans: dict, tokenwise: dict, tmp: Path, held: list[str] | None) -> Written:
-        from t5compress.quantize.methods import write_dynamic
+    def write(self, export, plans: dict, tokenwise: dict, held: list[str] | None) -> Written:
+        from t5compress.quantize.methods import dynamic_int8
 
         reduce = export.plan.weight_max < FULL_WEIGHT_MAX
-        for g, graph in export.graphs.items():
-            write_dynamic(graph.path, tmp / f"{g}{ONNX_SUFFIX}", plans[g], export.cfg.per_channel, reduce)
-        return Written(plans, tokenwise, {})
+        return Written(plans, tokenwise, {}, models={
+            g: dynamic_int8(graph, export.work, plans[g], export.cfg.per_channel, reduce)
+            for g, graph in export.graphs.items()})
 
 
 class Blockwise(Method):
@@ -203,10 +204,10 @@ class Blockwise(Method):
             return None
         return f"rounded by GPTQ on the calibration inputs (a scale per {report['block_size']} input channels)"
 
-    def write(self, export, plans: dict, tokenwise: dict, tmp: Path, held: list[str] | None) -> Written:
+    def write(self, export, plans: dict, tokenwise: dict, held: list[str] | None) -> Written:
         from t5compress.quantize.gptq import Gram
         from t5compress.quantize.graphs import matching
-        from t5compress.quantize.methods import write_blockwise
+        from t5compress.quantize.methods import blockwise
         from t5compress.quantize.nbits import WEIGHT_MAX
         from t5compress.quantize.static import gptq
 
@@ -219,10 +220,9 @@ class Blockwise(Method):
             export.drive({g: [gram] for g, gram in grams.items()}, "calibrating")
             limits = {n: WEIGHT_MAX[8] for g in wide for n in wide[g]}
             rounded = gptq(export, grams, WEIGHT_MAX[plan.bits], plan.block_size, limits)
-        for g, graph in export.graphs.items():
-            write_blockwise(graph.path, tmp / f"{g}{ONNX_SUFFIX}", plans[g], plan.block_size, rounded.get(g),
-                            plan.bits, wide[g])
-        return Written(plans, tokenwise, {})
+        return Written(plans, tokenwise, {}, models={
+            g: blockwise(graph, plans[g], plan.block_size, rounded.get(g), plan.bits, wide[g])
+            for g, graph in export.graphs.items()})
 
 
 class Int4(Blockwise):

@@ -22,8 +22,6 @@ ONNX Runtime's fast x86 kernels are u8 x s8 (int8 x int8 made flan-t5-small's st
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -31,27 +29,17 @@ from onnx import helper, numpy_helper
 from t5compress.onnxgraph import graph_index
 from t5compress.quantize.graphs import sort_nodes
 from t5compress.quantize.methods import nearest_blocks
-from t5compress.runtime.sessions import load_onnx
 
 MS_DOMAIN = "com.microsoft"  # MatMulIntegerToFloat: ONNX Runtime's contrib op
 Rounded = dict[str, tuple[np.ndarray, np.ndarray]]  # node name -> (int8 weight (d_in, d_out), scale (d_out,))
 
 
-def per_token_int8(path: Path, names: list[str], weight_max: int = 127, rounded: Rounded | None = None) -> list[str]:
-    """Rewrite the fp32 MatMul nodes `names` of the graph at `path` (in place) as per-token int8; returns those
-    rewritten (a node already quantized, or whose weight another node shares, is left). Layers reading one input
-    (q, k and v; wi_0 and wi_1) share its quantization. `rounded`: int8 weights and their scales by node name (e.g.
-    `gptq.gptq_int8`'s); the other weights are rounded to nearest."""
-    model = load_onnx(str(path))
-    done = rewrite(model, names, weight_max, rounded)
-    if done:
-        onnx.save(model, str(path))
-    return done
-
-
 def rewrite(model: onnx.ModelProto, names: list[str] | set[str], weight_max: int = 127,
             rounded: Rounded | None = None) -> list[str]:
-    """`per_token_int8` on a model in memory (changed in place; its nodes left in topological order)."""
+    """Rewrite the fp32 MatMul nodes `names` of `model` (changed in place; its nodes left in topological order) as
+    per-token int8; returns those rewritten (a node already quantized, or whose weight another node shares, is
+    left). Layers reading one input (q, k and v; wi_0 and wi_1) share its quantization. `rounded`: int8 weights and
+    their scales by node name (e.g. `gptq.gptq_int8`'s); the other weights are rounded to nearest."""
     inits, _, users = graph_index(model.graph)
     by_input: dict[str, list] = {}
     for node in list(model.graph.node):

@@ -16,26 +16,44 @@ from t5compress.quantize.plan import KEEP_MEASURED, KEEP_NONE, KEEP_WO, PER_TOKE
 
 class Graph:
     """One graph as this run has it (the export's file, or a rewritten copy): its path, and its structure parsed once
-    and kept without its weights' bytes (node names, op types, shapes and types of the weights)."""
+    and kept without its weights' bytes (node names, op types, shapes and types of the weights, where the weights
+    are stored). The file is parsed once: the weights are read from their external data when asked for."""
 
     def __init__(self, name: str, path: Path, model: Any = None):
         self.name, self.path, self._model = name, Path(path), model
+        self.whole = True  # every weight of the file is in `model` or in its external data (none was dropped)
 
     @property
     def model(self):
         if self._model is None:
+            from t5compress.onnxstore import MIN_BYTES
             from t5compress.runtime.sessions import load_onnx
 
             self._model = load_onnx(str(self.path), load_external_data=False)
             for t in self._model.graph.initializer:  # the structure is what is kept: shapes and types stay
-                t.ClearField("raw_data")
+                if len(t.raw_data) >= MIN_BYTES:  # a large weight held inline in the file (small ones are kept)
+                    t.ClearField("raw_data")
+                    self.whole = False
         return self._model
 
     def weights(self):
-        """The whole graph, weights included (a fresh parse: the caller rewrites it)."""
+        """The whole graph, weights included (a copy: the caller rewrites it), its structure as parsed and its
+        weights read from their external data; the file is parsed again only where it held large weights inline."""
+        import onnx
+        from onnx.external_data_helper import load_external_data_for_model
+
         from t5compress.runtime.sessions import load_onnx
 
-        return load_onnx(str(self.path))
+        structure = self.model
+        if not self.whole:
+            return load_onnx(str(self.path))
+        model = onnx.ModelProto()
+        model.CopyFrom(structure)
+        try:
+            load_external_data_for_model(model, str(self.path.parent))
+        except Exception:  # OSError, onnx's own: a missing or cut weights file, which load_onnx names in one line
+            return load_onnx(str(self.path))
+        return model
 
     def rewritten(self, model, path: Path) -> Graph:
         """`model` (this graph rewritten) saved to `path`, its weights apart: the in-memory copy keeps only the
@@ -99,10 +117,6 @@ class Export:
     evalset: list | None = None  # held-out records with targets
     checked: tuple = (None, "")  # the texts the int8 result is checked on, and what they are (`check.check_texts`)
 
-    @property
-    def paths(self) -> dict[str, Path]:
-        return {g: graph.path for g, graph in self.graphs.items()}
-
     def untie(self) -> None:
         """Each graph with its tied embedding table split from the LM head (a copy in `work`), if it has one."""
         from t5compress.quantize.graphs import shared_embeddings, untie_embeddings
@@ -163,7 +177,7 @@ class Export:
         texts = texts or self.texts
         cfg = self.cfg
         with Reporter("quantize", len(texts), unit="text", what=what, enabled=self.progress, transient=True) as bar:
-            return drive(self.src, self.paths, texts, stats, cfg.batch_size, cfg.max_new_tokens, self.work,
+            return drive(self.src, self.graphs, texts, stats, cfg.batch_size, cfg.max_new_tokens, self.work,
                          cfg.threads, progress=bar.update)
 
 

@@ -22,7 +22,7 @@ from t5compress import artifacts
 from t5compress.config import option as opt
 from t5compress.config import require
 from t5compress.cpu import WEIGHT_RANGES
-from t5compress.names import DECODER, DECODER_MERGED, ENCODER, GENERATOR, GRAPHS, ONNX_SUFFIX
+from t5compress.names import DECODER, DECODER_MERGED, DECODER_WITH_PAST, ENCODER, GENERATOR, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.methods import CALIBRATION_METHODS, FORMATS
 from t5compress.quantize.modes import METHODS, applied, method_for
 from t5compress.quantize.plan import (
@@ -132,11 +132,14 @@ class QuantizeConfig:
 def run(src: str | os.PathLike, cfg: QuantizeConfig, out: str | os.PathLike, *, force: bool = False,
         progress: bool = True) -> artifacts.Report:
     """Quantize the export dir `src` into `out`; returns the report (also written to out/report.json)."""
+    from t5compress.lineage import source_checkpoint
+
     src, method = Path(src), method_for(cfg.mode)
+    source = source_checkpoint(src)  # the safetensors the export was made from: the size users start with
     with artifacts.envelope("quantize", src, cfg, out, force=force) as env:
         export = _prepare(src, cfg, method, progress)  # checks and inputs, before anything is written
         with env.staging() as tmp:
-            env.report = {"stage": "quantize", **_make(export, tmp, method)}
+            env.report = {"stage": "quantize", **_make(export, tmp, method, source)}
             env.report["seconds"] = env.seconds(2)
     log.info("%s export written to %s", method.label, out)
     return env.report
@@ -163,25 +166,23 @@ def _prepare(src: Path, cfg: QuantizeConfig, method, progress: bool):
     return Export(src, cfg, plan, graphs, texts, src, progress, evalset, check_texts(cfg, texts, evalset))
 
 
-def _make(export, tmp: Path, method) -> dict:
-    """The int8 export dir in `tmp`, checked against fp32; returns the report (but the envelope's parts)."""
+def _make(export, tmp: Path, method, source: dict | None) -> dict:
+    """The int8 export dir in `tmp`, checked against fp32; returns the report (but the envelope's parts). `source`:
+    the checkpoint the export was made from (`lineage.source_checkpoint`), which the sizes are compared with."""
     from t5compress.quantize.check import check_int8
     from t5compress.quantize.sources import copy_beside
 
     src, cfg, plan = export.src, export.cfg, export.plan
     copy_beside(src, tmp)
-    graphs = _quantize(export, tmp, method)
-    _finish(src, tmp, cfg, plan, graphs)
-    from t5compress.onnxstore import store_once
-
-    graphs["weights"] = store_once(tmp)  # the int8 decoders' weights are byte-identical: stored once, then checked
-    return {**method.settings(cfg, plan), "graphs": graphs, "size": _sizes(src, tmp), "plan": asdict(plan),
+    graphs, models = _quantize(export, tmp, method)
+    _finish(src, tmp, cfg, plan, graphs, models)
+    return {**method.settings(cfg, plan), "graphs": graphs, "size": _sizes(src, tmp, source), "plan": asdict(plan),
             **check_int8(src, tmp, cfg, export.checked, export.evalset, method)}
 
 
-def _quantize(export, tmp: Path, method) -> dict:
-    """The graphs written into `tmp` by the method, or by onnx-neural-compressor's accuracy-aware tuning when the
-    plan says so (it picks the fp32 nodes); returns the report's `graphs`."""
+def _quantize(export, tmp: Path, method) -> tuple[dict, dict]:
+    """The int8 graphs (in memory) made by the method, or by onnx-neural-compressor's accuracy-aware tuning when the
+    plan says so (it picks the fp32 nodes), and the report's `graphs`."""
     from t5compress.quantize.methods import scratch_dir
 
     with scratch_dir(tmp.parent) as scratch:
@@ -189,48 +190,57 @@ def _quantize(export, tmp: Path, method) -> dict:
         if export.plan.tune:
             from t5compress.quantize import tune
 
-            return tune.run(export, tmp)
-        return method.quantize(export, tmp, export.checked[0] if export.evalset else None)
+            return tune.run(export)
+        return method.quantize(export, export.checked[0] if export.evalset else None)
 
 
-def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, plan, graphs: dict) -> None:
-    """Store a tied embedding once (in the LM head's int8 matrix, which the encoder's lookup reads too), then
-    re-merge the decoders and rebuild generator.onnx if `src` had them.
+def _finish(src: Path, tmp: Path, cfg: QuantizeConfig, plan, graphs: dict, models: dict) -> None:
+    """Store a tied embedding once (in the LM head's int8 matrix, which the encoder's lookup reads too), re-merge
+    the decoders and rebuild generator.onnx if `src` had them, then write every graph into `tmp` at once, each
+    weight stored once (`onnxstore`): the int8 decoders' weights are byte-identical.
 
     Not after tuning: the tuning's metric was measured on the graphs as they are, and its guarantee is about those.
     """
+    from t5compress.onnxstore import store_once
+
     if plan.share_table:
         from t5compress.quantize.graphs import share_lm_head_table
-
-        saved = {g: share_lm_head_table(tmp / f"{g}{ONNX_SUFFIX}") for g in GRAPHS}
-        if any(saved.values()):
-            graphs["tied_table_bytes_saved"] = saved
         from t5compress.quantize.lookup import share_lookup  # the encoder's lookup on that table: one in the dir
 
-        graphs["encoder_lookup_bytes_saved"] = share_lookup(tmp / f"{ENCODER}{ONNX_SUFFIX}",
-                                                            tmp / f"{DECODER}{ONNX_SUFFIX}")
-    if (src / f"{DECODER_MERGED}{ONNX_SUFFIX}").is_file():
-        from t5compress.export.onnx import write_merged
+        saved = {g: share_lm_head_table(models[g]) for g in GRAPHS}
+        if any(saved.values()):
+            graphs["tied_table_bytes_saved"] = saved
+        graphs["encoder_lookup_bytes_saved"] = share_lookup(models[ENCODER], models[DECODER])
+    files = {f"{g}{ONNX_SUFFIX}": models[g] for g in GRAPHS}
+    merged, search = (f"{g}{ONNX_SUFFIX}" for g in (DECODER_MERGED, GENERATOR))
+    if (src / merged).is_file():
+        from t5compress.export.onnx import merge_decoders
 
-        write_merged(tmp, external=False)
-    if (src / f"{GENERATOR}{ONNX_SUFFIX}").is_file():  # the export carried the in-graph search: rebuild it in int8
-        from t5compress.export.generator import check_generator, write_generator
+        files[merged] = merge_decoders(models[DECODER], models[DECODER_WITH_PAST])
+    if (src / search).is_file():  # the export carried the in-graph search: rebuild it in int8
+        from t5compress.export.generator import generator_model
 
-        write_generator(tmp)
+        files[search] = generator_model(tmp, *(models[g] for g in (ENCODER, DECODER, DECODER_WITH_PAST)))
+    stored = store_once(tmp, files)
+    if merged in files:
+        from t5compress.export.onnx import check_merged
+
+        check_merged(tmp / merged)
+    if search in files:
+        from t5compress.export.generator import check_generator
+
         graphs["search_graph"] = check_generator(tmp, cfg.max_new_tokens, strict=False)
+    graphs["weights"] = stored  # checked as stored: every graph reads the one weights file
 
 
-def _sizes(src: Path, out: Path) -> dict:
+def _sizes(src: Path, out: Path, source: dict | None) -> dict:
     def total(d: Path) -> int:
         return sum(f.stat().st_size for f in d.iterdir() if f.name.endswith((ONNX_SUFFIX, ".onnx_data")))
-
-    from t5compress.lineage import source_checkpoint
 
     before, after = total(src), total(out)
     files = {f.name: [f.stat().st_size, (out / f.name).stat().st_size] for f in sorted(src.iterdir())
              if f.name.endswith(ONNX_SUFFIX) and (out / f.name).is_file()}
     sizes = {"fp32_bytes": before, "int8_bytes": after, "ratio": round(after / before, 4), "files": files}
-    source = source_checkpoint(src)  # the safetensors the export was made from: the size users start with
     if source:
         sizes |= {"source": source, "vs_source": round(after / source["safetensors_bytes"], 4)}
     return sizes

@@ -5,23 +5,22 @@ write the graphs (the per-token layers rewritten after calibration, `pertoken`).
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from t5compress.cpu import FULL_WEIGHT_MAX
 from t5compress.names import DECODER_WITH_PAST, GRAPHS, ONNX_SUFFIX
 from t5compress.quantize.plan import GPTQ, OFF
 
 
-def write_static(export, plans: dict, tokenwise: dict, tmp: Path, held: list[str] | None):
+def write_static(export, plans: dict, tokenwise: dict, held: list[str] | None):
     """Calibrate on the calibration texts, (guided: on `held`, else those texts) measure each group's sensitivity and
-    keep the fewest fp32, write the graphs into `tmp`; returns the plans written, the per-token nodes, the feeds each
-    graph saw, and the sensitivity report (None unless measured)."""
+    keep the fewest fp32, make the int8 graphs (in memory); returns the plans written, the per-token nodes, the feeds
+    each graph saw, the sensitivity report (None unless measured) and the graphs."""
     from t5compress.progress import Reporter
     from t5compress.quantize import sensitivity as sens
     from t5compress.quantize.calibrate import Snapshot
     from t5compress.quantize.gptq import Gram
     from t5compress.quantize.methods import StaticGraph
-    from t5compress.quantize.pertoken import per_token_int8
+    from t5compress.quantize.pertoken import rewrite
     from t5compress.quantize.plan import Remedy
     from t5compress.runtime import load_runtime
 
@@ -46,29 +45,36 @@ def write_static(export, plans: dict, tokenwise: dict, tmp: Path, held: list[str
             plans, tokenwise, report = sens.guided(fp32, export, plans, tokenwise, calibrators, held or export.texts,
                                                    rounded, status=lambda text: bar.update(0, what=text))
     outputs = report is None or report["remedy"]["chosen"] != Remedy.OUTPUTS_FP32
-    reduce = plan.weight_max < FULL_WEIGHT_MAX
+    reduce, models = plan.weight_max < FULL_WEIGHT_MAX, {}
     for g in GRAPHS:
-        calibrators[g].write(tmp / f"{g}{ONNX_SUFFIX}", cfg.format, cfg.per_channel, reduce, plans[g], outputs)
-        tokenwise[g] = per_token_int8(tmp / f"{g}{ONNX_SUFFIX}", tokenwise[g], plan.weight_max, rounded.get(g))
+        models[g] = calibrators[g].quantized(cfg.format, cfg.per_channel, reduce, plans[g], outputs)
+        tokenwise[g] = rewrite(models[g], tokenwise[g], plan.weight_max, rounded.get(g))
     if report is not None and (report["kept"] or not outputs) and probe.feeds is not None:
         report["step_ms"] = _step_cost(export, calibrators[DECODER_WITH_PAST], plans[DECODER_WITH_PAST],
-                                       every[DECODER_WITH_PAST], rounded.get(DECODER_WITH_PAST), probe.feeds, tmp)
-    return plans, tokenwise, feeds, report
+                                       every[DECODER_WITH_PAST], rounded.get(DECODER_WITH_PAST), probe.feeds,
+                                       models[DECODER_WITH_PAST])
+    return plans, tokenwise, feeds, report, models
 
 
-def _step_cost(export, calibrator, plan, tokenwise: list[str], rounded: dict | None, feeds: dict, tmp: Path) -> dict:
-    """What the groups kept fp32 cost a decoder-with-past step: its time all int8 and as written, on one real feed."""
-    from t5compress.quantize.pertoken import per_token_int8
+def _step_cost(export, calibrator, plan, tokenwise: list[str], rounded: dict | None, feeds: dict, written) -> dict:
+    """What the groups kept fp32 cost a decoder-with-past step: its time all int8 and as `written`, on one real
+    feed."""
+    import onnx
+
+    from t5compress.quantize.pertoken import rewrite
     from t5compress.quantize.sensitivity import step_ms
 
-    cfg, path = export.cfg, export.work / f"all-int8.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
+    cfg, work = export.cfg, export.work
     static = tuple(n for n in plan.exclude if n not in tokenwise)  # kept fp32 by the measuring
-    calibrator.write(path, cfg.format, cfg.per_channel, export.plan.weight_max < FULL_WEIGHT_MAX,
-                     replace(plan, nodes=plan.nodes + static, exclude=()))
-    per_token_int8(path, tokenwise, export.plan.weight_max, rounded)
-    all_ms = step_ms(path, feeds)
-    kept_ms = step_ms(tmp / f"{DECODER_WITH_PAST}{ONNX_SUFFIX}", feeds)
-    return {"all_int8": all_ms, "kept": kept_ms, "ratio": round(kept_ms / all_ms, 3)}
+    every = calibrator.quantized(cfg.format, cfg.per_channel, export.plan.weight_max < FULL_WEIGHT_MAX,
+                                 replace(plan, nodes=plan.nodes + static, exclude=()))
+    rewrite(every, tokenwise, export.plan.weight_max, rounded)
+    ms = {}
+    for name, model in (("all_int8", every), ("kept", written)):
+        path = work / f"{name}.{DECODER_WITH_PAST}{ONNX_SUFFIX}"
+        onnx.save_model(model, str(path))
+        ms[name] = step_ms(path, feeds)
+    return {**ms, "ratio": round(ms["kept"] / ms["all_int8"], 3)}
 
 
 def gptq(export, grams: dict, weight_max: int, group: int | None = None, limits: dict[str, int] | None = None) -> dict:
@@ -78,4 +84,4 @@ def gptq(export, grams: dict, weight_max: int, group: int | None = None, limits:
 
     with Reporter("quantize", sum(len(g.inputs) for g in grams.values()), unit="layer", what="GPTQ rounding",
                   enabled=export.progress, transient=True) as bar:
-        return round_graphs(export.paths, grams, weight_max, step=lambda: bar.update(1), group=group, limits=limits)
+        return round_graphs(export.graphs, grams, weight_max, step=lambda: bar.update(1), group=group, limits=limits)

@@ -1,6 +1,6 @@
 """Accuracy-aware static int8 with onnx-neural-compressor: keep nodes fp32 until the task metric is within tolerance.
 
-    run(export, tmp) -> graphs report  # the stage's `sources.Export` of a config with eval_data and tolerance
+    run(export) -> graphs report, graphs  # the stage's `sources.Export` of a config with eval_data and tolerance
 
 The search is onnx-neural-compressor's own (`tuning.autotune` over a `TuningConfig` of `StaticQuantConfig`s, its
 calibration and its quantizer); what it tunes is which nodes stay fp32, in growing groups (non-linear op types if
@@ -131,35 +131,38 @@ class Pipeline:
     fp32 dir's backend instead ran the first step on the candidate decoder_model, whose int8 scales are its own: a
     tuned model that measured 71.5 exact match here scored 70.5 in the check that followed."""
 
-    def __init__(self, src: Path, cfg, evalset, work: Path):
+    def __init__(self, export):
+        """`export`: a `sources.Export`, whose fp32 graphs are scored first."""
         from t5compress.quantize.sources import copy_beside
 
-        self.cfg, self.dir = cfg, work / "pipeline"
+        cfg = self.cfg = export.cfg
+        self.dir = export.work / "pipeline"
         self.dir.mkdir()
-        copy_beside(src, self.dir)
-        self.graphs = {g: src / f"{g}{ONNX_SUFFIX}" for g in GRAPHS}
-        self.placed: dict[str, Path] = {}  # graph -> the file last written into `dir` for it
-        self.sources = [cfg.prefix + e.source for e in evalset]
-        self.targets = [e.target for e in evalset]
+        copy_beside(export.src, self.dir)
+        self.given: dict = {}  # graph -> the model given since the last score, not yet in `dir`
+        for g, graph in export.graphs.items():  # the fp32 graphs, one at a time
+            self._write(g, graph.weights())
+        self.sources = [cfg.prefix + e.source for e in export.evalset]
+        self.targets = [e.target for e in export.evalset]
         self.metric: str | None = None
 
-    def use(self, graph: str, path: Path) -> None:
-        """Score with `path` as `graph` from now on; placed again even when the path is the last one's (the tuner
-        writes each candidate to the same file: compared by path, every trial after the first scored the first)."""
-        self.graphs[graph] = Path(path)
-        self.placed.pop(graph, None)
+    def use(self, graph: str, model) -> None:
+        """Score with `model` (a graph in memory, handed over: writing it into `dir` moves its weights out) as `graph`
+        from now on (the tuner writes each candidate to the same file: compared by path, every trial after the
+        first scored the first)."""
+        self.given[graph] = model
 
     def _place(self) -> None:
         """Write the graphs given since the last score into `dir`, each with its weights beside it."""
+        for g in list(self.given):
+            self._write(g, self.given.pop(g))
+
+    def _write(self, graph: str, model) -> None:
         from t5compress.quantize.graphs import save_graph
 
-        for g, path in self.graphs.items():
-            if g in self.placed:
-                continue
-            dst = self.dir / f"{g}{ONNX_SUFFIX}"
-            (self.dir / f"{dst.name}_data").unlink(missing_ok=True)  # onnx appends to an existing data file
-            save_graph(load_onnx(str(path)), dst, external=True)
-            self.placed[g] = path
+        dst = self.dir / f"{graph}{ONNX_SUFFIX}"
+        (self.dir / f"{dst.name}_data").unlink(missing_ok=True)  # onnx appends to an existing data file
+        save_graph(model, dst, external=True)
 
     def score(self) -> float:
         """The metric (exact match; ROUGE-L when fp32 gets no example exactly right) of greedy generation."""
@@ -177,22 +180,22 @@ class Pipeline:
         return float(scores[self.metric])
 
 
-def run(export, tmp: Path) -> dict:
-    """Tune and write the three int8 graphs of `export` (a `sources.Export`) into `tmp`; returns the `graphs` part of
-    the quantize report."""
+def run(export) -> tuple[dict, dict]:
+    """Tune the three int8 graphs of `export` (a `sources.Export`); returns the `graphs` part of the quantize report,
+    and the graphs (in memory)."""
     from t5compress.quantize.calibrate import Recorder
 
     _onc()
     cfg, evalset = export.cfg, export.evalset
     if not evalset:
         raise ConfigError("tolerance: tuning needs --eval-data with targets (the task metric it keeps)")
-    pipe = Pipeline(export.src, cfg, evalset, export.work)
+    pipe = Pipeline(export)
     fp32 = pipe.score()
     if fp32 <= 0:
         raise QuantizeError(f"the fp32 model scores 0 {pipe.metric} on {cfg.eval_data}: no tolerance can be kept")
     goal = fp32 * (1 - cfg.tolerance)
     recorders = {g: Recorder(MAX_FEEDS, FEED_BYTES) for g in GRAPHS}
-    report: dict = {}
+    report, models = {}, {}
     trials: list[dict] = []
     # Its INFO lines per trial are reported here instead; transformers warns each time it reads our config.json.
     quiet = [logging.getLogger(n) for n in ("onnx_neural_compressor", "transformers.configuration_utils")]
@@ -207,23 +210,24 @@ def run(export, tmp: Path) -> dict:
             if export.plan.smooth_alpha > 0:
                 report["smooth_quant"] = export.smooth()
             for g in TUNE_ORDER:
-                dst = tmp / f"{g}{ONNX_SUFFIX}"
                 status(f"tuning {g}")
-                report[g] = tune_graph(export.graphs[g], dst, export, pipe, goal, recorders[g].feeds, trials, status)
+                report[g], models[g] = tune_graph(export.graphs[g], export, pipe, goal, recorders[g].feeds, trials,
+                                                  status)
                 report[g]["seen_feeds"] = feeds[g]
-                pipe.use(g, dst)
+                pipe.use(g, _copy(models[g]))
     finally:
         for q, lv in zip(quiet, levels, strict=True):
             q.setLevel(lv)
     report["tuning"] = {"tool": "onnx-neural-compressor autotune", "metric": pipe.metric, "fp32": fp32,
                         "tolerance": cfg.tolerance, "goal": round(goal, 4), "int8": pipe.score(), "trials": trials}
-    return report
+    return report, models
 
 
-def tune_graph(graph, dst: Path, export, pipe: Pipeline, goal: float, feeds: list, trials: list,
-               status=lambda text: None) -> dict:
-    """onnx-neural-compressor's autotune on `graph` (a `sources.Graph`; the other graphs as `pipe` has them); writes
-    `dst`. Appends one record per trial to `trials` and shows each result through `status(text)`."""
+def tune_graph(graph, export, pipe: Pipeline, goal: float, feeds: list, trials: list,
+               status=lambda text: None) -> tuple[dict, object]:
+    """onnx-neural-compressor's autotune on `graph` (a `sources.Graph`; the other graphs as `pipe` has them): what it
+    kept, and the int8 graph (in memory). Appends one record per trial to `trials` and shows each result through
+    `status(text)`."""
     import onnxruntime as ort
 
     from t5compress.quantize.sources import plan_for
@@ -234,13 +238,13 @@ def tune_graph(graph, dst: Path, export, pipe: Pipeline, goal: float, feeds: lis
     nodes = list(plan.nodes) + list(plan.exclude)
     cands = candidates(nodes, list(plan.exclude), _linear(graph.model))
     state: dict = {"index": 0}
-    pipe.use(g, path)
+    pipe.use(g, graph.weights())
     baseline = pipe.score()  # this graph fp32, the ones tuned before it int8
 
     def evaluate(model_path: str) -> float:
         if Path(model_path) == path:  # autotune's own baseline call
             return baseline
-        pipe.use(g, Path(model_path))
+        pipe.use(g, load_onnx(model_path))
         value = pipe.score()
         label, kept = cands[state["index"]]
         trials.append({"graph": g, "candidate": state["index"], "fp32": label, "kept_fp32": len(kept),
@@ -260,10 +264,10 @@ def tune_graph(graph, dst: Path, export, pipe: Pipeline, goal: float, feeds: lis
                                optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     except SystemExit as e:  # onnx-neural-compressor exits when no candidate meets the goal
         raise QuantizeError(f"tuning {g}: no candidate reached {pipe.metric} {goal:.2f}; nothing was written") from e
-    _save(best, dst)
+    _check(best, g)
     kept = cands[state["index"]][1]
     return {"quantized_nodes": len(nodes) - len(kept), "kept_fp32": kept, "calibration_feeds": len(feeds),
-            "candidates": [label for label, _ in cands]}
+            "candidates": [label for label, _ in cands]}, best
 
 
 @contextmanager
@@ -301,13 +305,20 @@ def _configs(config, cfg, model, plan, cands: list[tuple[str, list[str]]], feeds
         raise ConfigError(f"op_types: onnx-neural-compressor refuses them: {first_line(e)}") from e
 
 
-def _save(model, dst: Path) -> None:
-    """One self-contained file, as the rest of the quantize stage writes."""
+def _check(model, g: str) -> None:
+    """A QuantizeError unless the tuner's result is a graph whose weights are all in memory."""
     import onnx
 
     if model is None:
-        raise QuantizeError(f"tuning {dst.stem}: onnx-neural-compressor returned no model; nothing was written")
+        raise QuantizeError(f"tuning {g}: onnx-neural-compressor returned no model; nothing was written")
     for t in model.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            raise QuantizeError(f"tuning {dst.stem}: weights left in external data; nothing was written")
-    onnx.save(model, str(dst))
+            raise QuantizeError(f"tuning {g}: weights left in external data; nothing was written")
+
+
+def _copy(model):
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy

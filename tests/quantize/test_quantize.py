@@ -235,6 +235,7 @@ def test_smoothing_every_group_is_exact_in_fp32(gated_export, tmp_path, graph):
 
     from t5compress.quantize.calibrate import TapGraph
     from t5compress.quantize.smooth import COLUMNS, NORM, ChannelMax, smooth, smooth_groups
+    from t5compress.quantize.sources import Graph
 
     src = gated_export / f"{graph}.onnx"
     groups = smooth_groups(onnx.load(str(src)))
@@ -249,13 +250,56 @@ def test_smoothing_every_group_is_exact_in_fp32(gated_export, tmp_path, graph):
                          np.ones(shape, np.int64) if i.type == "tensor(int64)" else
                          rng.standard_normal(shape).astype(np.float32))
     meter = ChannelMax(groups)
-    TapGraph(src, [meter], tmp_path, threads=1).run(feeds)
+    TapGraph(Graph(graph, src), [meter], tmp_path, threads=1).run(feeds)
     report = smooth(src, tmp_path / "s.onnx", groups, meter.amax, 0.7)
     assert report["groups"] == len(groups) and report["max_scale_ratio"] > 1
     a = sess.run(None, feeds)
     b = ort.InferenceSession(str(tmp_path / "s.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
     for x, y in zip(a, b, strict=True):
         assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max() + 1e-6
+
+
+def _parses(monkeypatch) -> Counter:
+    """Every `onnx.load` from now on, counted by (file, the package file that asked: the first caller outside
+    `runtime/sessions.py`'s `load_onnx`; '' for none), the loads ONNX Runtime's quantizer makes included."""
+    import traceback
+
+    seen: Counter = Counter()
+    load = onnx.load
+
+    def counted(f, *args, **kwargs):
+        callers = [fr.filename for fr in traceback.extract_stack()[:-1] if "/t5compress/" in fr.filename
+                   and not fr.filename.endswith("sessions.py")]
+        seen[Path(str(f)).resolve(), callers[-1].rsplit("/t5compress/", 1)[1] if callers else ""] += 1
+        return load(f, *args, **kwargs)
+
+    monkeypatch.setattr(onnx, "load", counted)
+    monkeypatch.setattr(onnx, "load_model", counted)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_the_stage_parses_each_input_graph_once_and_never_reloads_an_output_graph(mode, skilled, tmp_path,
+                                                                                 monkeypatch):
+    """The stage reads each graph file of the export once (its structure, then its weights from their external
+    data); the int8 graphs are rewritten in memory (per-token layers, the shared table and lookup) and written once,
+    each weight stored once. ONNX Runtime's quantizer reads back what it wrote into the scratch folder, once; only
+    the runtime, opening the result to check it, reads the graphs written."""
+    seen = _parses(monkeypatch)
+    src, out = skilled / "onnx", tmp_path / "int8"
+    run(src, QuantizeConfig(mode=mode, calib_data=str(skilled / "data" / "train.jsonl"), samples=16), out,
+        progress=False)
+    stage = Counter()
+    for (path, caller), n in seen.items():
+        if not caller.startswith("runtime/"):  # the runtime opening a dir to run it (calibration, check)
+            stage[path] += n
+    assert {g: stage[(src / f"{g}.onnx").resolve()] for g in GRAPHS} == {g: 1 for g in GRAPHS}
+    assert all(n == 1 for n in stage.values()), stage  # scratch files too: read back once
+    written = {f.name for f in out.glob("*.onnx")}
+    assert written >= {f"{g}.onnx" for g in GRAPHS}
+    # the staging dir the stage wrote into (renamed to `out` when done): no graph of it read by the stage
+    assert not [p for p in stage if p.name in written and p.parent != src.resolve()], stage
+    assert _report(out)["graphs"]["weights"]["tensors"] > 0
 
 
 def test_auto_choices_resolve_once_into_a_plan(static_dir):
@@ -355,7 +399,7 @@ def test_per_token_int8_keeps_each_rows_precision_whatever_its_scale(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from t5compress.quantize.pertoken import per_token_int8
+    from t5compress.quantize.pertoken import rewrite
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((16, 8)).astype(np.float32)
@@ -366,13 +410,13 @@ def test_per_token_int8_keeps_each_rows_precision_whatever_its_scale(tmp_path):
         [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     path = tmp_path / "g.onnx"
-    onnx.save(model, str(path))
     x = rng.standard_normal((2, 3, 16)).astype(np.float32) * np.array([1e-2, 1, 1e2])[None, :, None].astype(np.float32)
     x[1, 2] = 0.0
     want = x @ w
     # 7-bit weights: x86 u8 x s8 kernels without VNNI saturate full-range products (what --weight-range reduced is for)
-    assert per_token_int8(path, ["/decoder/block.0/layer.2/DenseReluDense/wo/MatMul"], weight_max=63) == [
+    assert rewrite(model, ["/decoder/block.0/layer.2/DenseReluDense/wo/MatMul"], weight_max=63) == [
         "/decoder/block.0/layer.2/DenseReluDense/wo/MatMul"]
+    onnx.save(model, str(path))
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert got.shape == want.shape and np.isfinite(got).all()
     scale = np.abs(want).max(axis=-1, keepdims=True) + 1e-30
@@ -390,7 +434,7 @@ def test_per_token_layers_reading_one_input_share_its_quantization(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from t5compress.quantize.pertoken import per_token_int8
+    from t5compress.quantize.pertoken import rewrite
 
     rng = np.random.default_rng(1)
     names = [f"/encoder/block.0/layer.0/SelfAttention/{p}/MatMul" for p in "qkv"]
@@ -400,9 +444,9 @@ def test_per_token_layers_reading_one_input_share_its_quantization(tmp_path):
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "len", 16])],
         [helper.make_tensor_value_info(f"y_{p}", TensorProto.FLOAT, ["batch", "len", 8]) for p in "qkv"],
         [numpy_helper.from_array(w, f"w_{p}") for p, w in ws.items()])
-    path = tmp_path / "g.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    assert per_token_int8(path, names, weight_max=63) == names
+    path, model = tmp_path / "g.onnx", helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert rewrite(model, names, weight_max=63) == names
+    onnx.save(model, str(path))
     ops = _ops(path)
     assert ops["ReduceMax"] == 1 and ops["MatMulIntegerToFloat"] == 3 and ops["MatMul"] == 0
     written = onnx.load(str(path)).graph
@@ -456,17 +500,17 @@ def test_calibration_memory_does_not_grow_with_the_texts(method, gated_export, t
     graphs = {g: gated_export / f"{g}.onnx" for g in GRAPHS}
 
     def calibrate(n: int) -> tuple[int, int]:
-        stats = {}
+        stats, opened = {}, {}
         cfg = QuantizeConfig(calib_data="x", method=method)
         plan = method_for(cfg.mode).resolve(cfg, gated=True, tied=False, held=False)
         for g, path in graphs.items():
-            graph = Graph(g, path)
+            graph = opened[g] = Graph(g, path)
             stats[g] = [StaticGraph(graph, plan_for(graph.model, cfg, plan), method, tmp_path),
                         Gram(graph.model, linear_nodes(graph.model)), ChannelMax(smooth_groups(graph.model)),
                         Recorder(limit=8, budget=1 << 20)]
         tracemalloc.start()
         with caplog.at_level(logging.WARNING):
-            feeds = drive(gated_export, graphs, texts[:n], stats, batch_size=4, max_new_tokens=6, work=tmp_path,
+            feeds = drive(gated_export, opened, texts[:n], stats, batch_size=4, max_new_tokens=6, work=tmp_path,
                           threads=1)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
