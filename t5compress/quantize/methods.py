@@ -172,7 +172,7 @@ class StaticGraph:
         formats = {"qdq": QuantFormat.QDQ, "qoperator": QuantFormat.QOperator}
         with _quiet():
             quantize_static(
-                self.src, dst, calibration_data_reader=None, calibration_cache_path=cache,
+                self.graph.in_scratch(self.work), dst, calibration_data_reader=None, calibration_cache_path=cache,
                 quant_format=formats[fmt], op_types_to_quantize=list(plan.op_types), per_channel=per_channel,
                 reduce_range=reduce_range, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                 nodes_to_quantize=list(plan.nodes), nodes_to_exclude=list(plan.exclude),
@@ -201,7 +201,7 @@ def dynamic_int8(graph, work: Path, plan: Plan, per_channel: bool, reduce_range:
     dst = work / f"{graph.path.stem}.int8.onnx"
     with _quiet():
         quantize_dynamic(
-            graph.path, dst, op_types_to_quantize=list(plan.op_types), per_channel=per_channel,
+            graph.in_scratch(work), dst, op_types_to_quantize=list(plan.op_types), per_channel=per_channel,
             reduce_range=reduce_range, weight_type=QuantType.QInt8, nodes_to_quantize=list(plan.nodes),
             nodes_to_exclude=list(plan.exclude), extra_options={"MatMulConstBOnly": True},
         )

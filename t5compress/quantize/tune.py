@@ -233,7 +233,7 @@ def tune_graph(graph, export, pipe: Pipeline, goal: float, feeds: list, trials: 
     from t5compress.quantize.sources import plan_for
 
     tuning, config, _ = _onc()
-    g, path, cfg = graph.name, graph.path, export.cfg
+    g, path, cfg = graph.name, graph.in_scratch(export.work), export.cfg  # it writes beside the graph
     plan = plan_for(graph.model, cfg, export.plan)
     nodes = list(plan.nodes) + list(plan.exclude)
     cands = candidates(nodes, list(plan.exclude), _linear(graph.model))

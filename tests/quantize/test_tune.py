@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 from t5compress.cli import app
 from t5compress.errors import ConfigError
 from t5compress.names import GRAPHS
-from t5compress.quantize import QuantizeConfig, run
+from t5compress.quantize import QuantizeConfig
 from t5compress.quantize.tune import FALLBACKS, TUNE_ORDER, candidates, fp32_nodes
+from tests.quantize.test_inputs import watched_run
 
 runner = CliRunner()
 
@@ -28,8 +29,10 @@ def test_tuning_keeps_layers_fp32_until_the_metric_is_back(skilled, tmp_path):
     # Tolerance 0: every example fp32 gets right, int8 must get right too. Per-tensor weights lose one or two
     # examples here (measured: the encoder drops exact match 72.0 -> 71.5), so the search has to fall back.
     out = tmp_path / "tuned"
-    r = run(skilled / "onnx", QuantizeConfig(calib_data=_data(skilled, "train"), eval_data=_data(skilled, "eval"),
-                                             samples=64, per_channel=False, tolerance=0.0), out, progress=False)
+    r, events, before, after = watched_run(
+        skilled / "onnx", QuantizeConfig(calib_data=_data(skilled, "train"), eval_data=_data(skilled, "eval"),
+                                         samples=64, per_channel=False, tolerance=0.0), out, progress=False)
+    assert events == [] and after == before  # onnx-neural-compressor wrote <graph>_augment.onnx beside the graph
     tuned = r["graphs"]["tuning"]
     fp32, int8 = r["eval"]["fp32"]["exact_match"], r["eval"]["int8"]["exact_match"]
     assert tuned["metric"] == "exact_match" and tuned["fp32"] == fp32 and tuned["int8"] == int8
