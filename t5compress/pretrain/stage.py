@@ -23,7 +23,6 @@ from t5compress.model.load import describe, is_local, save_model_dir
 from t5compress.model.tokenization import TOKENIZERS
 from t5compress.pretrain.corpus import Corpus
 from t5compress.pretrain.spans import SpanCorruption, compute_input_and_target_lengths
-from t5compress.pretrain.stream import PackedStream, SpanEval, span_loss
 from t5compress.train.loop import TrainConfig, fit
 
 log = logging.getLogger(__name__)
@@ -150,6 +149,7 @@ def run(
 ) -> artifacts.Report:
     """Pre-train on the corpus `src` (file, folder or dataset) and write the model directory `out`; the report."""
     from t5compress.model.architectures import architecture
+    from t5compress.pretrain.stream import PackedStream, SpanEval, span_loss  # torch: not for the CLI's start
     from t5compress.train.checkpoint import prepare_workdir
 
     record = {"corpus": str(src), **dataclasses.asdict(cfg)}

@@ -17,14 +17,16 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from t5compress import artifacts
 from t5compress.config import choose, option, require
 from t5compress.data import DataConfig, batch_order, collate, encode, load_splits
 from t5compress.errors import ConfigError
-from t5compress.prune.importance import SCORES
 from t5compress.prune.recover import RecoverConfig
-from t5compress.prune.schedule import SCHEDULES, Targets
+
+if TYPE_CHECKING:
+    from t5compress.prune.schedule import Targets
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ class PruneConfig:
         default=None, metadata={"help": "Recovery fine-tuning after pruning (None: none)."})
 
     def __post_init__(self) -> None:
+        from t5compress.prune.importance import SCORES  # torch: here, not when the CLI starts
+        from t5compress.prune.schedule import SCHEDULES
+
         for name in ("heads", "encoder_heads", "decoder_heads", "cross_heads", "ffn", "encoder_ffn", "decoder_ffn"):
             _ratio(getattr(self, name), name)
         for name in ("encoder_layers", "decoder_layers"):
@@ -93,6 +98,8 @@ class PruneConfig:
         return any(ratios) or self.encoder_layers is not None or self.decoder_layers is not None or not self.vocab
 
     def targets(self) -> Targets:
+        from t5compress.prune.schedule import Targets
+
         pick = lambda v, default: default if v is None else v  # noqa: E731
         dec_heads = pick(self.decoder_heads, self.heads)
         ratios = {"encoder.heads": pick(self.encoder_heads, self.heads), "decoder.heads": dec_heads,
@@ -119,12 +126,13 @@ def _prune(model, tokenizer, calib_ex, cfg: PruneConfig, targets, progress: bool
     """Score the units on the calibration batches, plan what to keep, and shrink `model` in place; the plan."""
     from t5compress.progress import Reporter
     from t5compress.prune import schedule
+    from t5compress.prune.importance import SCORES
 
     batches = calibration_batches(model, tokenizer, calib_ex, cfg)
     with Reporter("prune", len(batches), unit="batch", what=f"scoring ({cfg.criterion})", enabled=progress,
                   transient=True) as bar:
         scores = SCORES[cfg.criterion](model, bar.track(batches))
-    plan = SCHEDULES[cfg.schedule](model, scores, targets)
+    plan = schedule.SCHEDULES[cfg.schedule](model, scores, targets)
     schedule.apply_plan(model, plan)
     return plan
 
@@ -186,7 +194,8 @@ def run(src: str | os.PathLike, cfg: PruneConfig, out: str | os.PathLike, *, for
         if cfg.structural:
             from t5compress.prune.importance import magnitude
 
-            SCHEDULES[cfg.schedule](model, magnitude(model), targets)  # rejects impossible ratios before heavy work
+            # rejects impossible ratios before heavy work
+            schedule.SCHEDULES[cfg.schedule](model, magnitude(model), targets)
         work = None
         if cfg.recover is not None:
             from t5compress.train.checkpoint import prepare_workdir
