@@ -199,9 +199,9 @@ EXPORTERS: dict[str, Callable[..., dict]] = {"onnx": export_onnx_dir, "torchscri
 def run(src: str | os.PathLike, cfg: ExportConfig, out: str | os.PathLike, *, force: bool = False,
         progress: bool = True) -> artifacts.Report:
     """Export `src` to `out` as `cfg` says, verify it against PyTorch, and return the report (also in report.json)."""
-    from t5compress.export.graphs import graph_specs, manifest
-
     with artifacts.envelope("export", src, cfg, out, force=force) as env:  # claimed before loading anything heavy
+        from t5compress.export.graphs import graph_specs, manifest  # torch: not for a refusal
+
         check_model_fits("export", src)
         hook = kinds.export_hook(src)  # a QAT dir: Q/DQ graphs, checked against the fake-quant model
         if hook is not None and cfg.dtype != "fp32":
