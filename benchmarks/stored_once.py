@@ -5,7 +5,8 @@ Sizes: the bytes of every file of each deployable dir (graphs, weights, config, 
 `model.safetensors` and CTranslate2's dir. Memory: each dir is opened in its own fresh process (ours by the
 t5compress runtime, CTranslate2 by its Translator, 1 thread), and /proc reports resident memory (VmRSS: what the
 issue's numbers are; it counts a file page mapped twice twice), proportional memory (Pss, from smaps_rollup) and
-the anonymous part after loading and after one batch-8 greedy call (32 tokens in, exactly 32 out); VmHWM is the peak.
+the anonymous part after loading and after one batch-8 greedy call (32 tokens in, exactly 32 out), and VmRSS after a
+second such call (what a process that goes on serving holds); VmHWM is the peak.
 Speed: batch 1, greedy, 32 in / exactly 32 out, 1 thread, each runtime in its own worker process driven in turn
 (round after round, so load from other processes hits all alike), warm-up excluded, median and p90 per call of the
 wall time, median and minimum of the process's CPU time.
@@ -75,7 +76,9 @@ def worker(kind: str, path: str, threads: int, mode: str) -> None:
     if mode == "memory":
         loaded = _memory()
         gen(*_inputs(8, vocab))
-        print(json.dumps({"start": base, "loaded": loaded, "after_b8": _memory()}), flush=True)
+        after = _memory()
+        gen(*_inputs(8, vocab, seed=1))
+        print(json.dumps({"start": base, "loaded": loaded, "after_b8": after, "after_b8x2": _memory()}), flush=True)
         return
     ids, mask = _inputs(1, vocab)
     gen(ids, mask)  # warm-up
@@ -130,14 +133,16 @@ def render(result: dict) -> str:
     lines = ["# Each weight once: bytes, resident memory, batch-1 speed", "",
              f"Source checkpoint `model.safetensors`: {st:,} bytes.", "",
              "| dir | bytes | vs safetensors | vs CTranslate2 int8 | RSS loaded MB | RSS after b8 MB "
-             "| Pss after b8 MB | anon after b8 MB | peak MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| Pss after b8 MB | anon after b8 MB | peak MB | RSS after a 2nd b8 MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ct2 = result["bytes"].get("ct2")
     for name, size in result["bytes"].items():
         m = result["memory"].get(name, {})
-        after, loaded = m.get("after_b8", {}), m.get("loaded", {})
+        after, loaded, again = m.get("after_b8", {}), m.get("loaded", {}), m.get("after_b8x2", {})
         lines.append(f"| {name} | {size:,} | {size / st:.3f}x | {size / ct2:.3f}x | {loaded.get('VmRSS', '-')} | "
                      f"{after.get('VmRSS', '-')} | {after.get('Pss', '-')} | {after.get('RssAnon', '-')} | "
-                     f"{after.get('VmHWM', '-')} |" if ct2 else f"| {name} | {size:,} | {size / st:.3f}x | - |")
+                     f"{after.get('VmHWM', '-')} | {again.get('VmRSS', '-')} |"
+                     if ct2 else f"| {name} | {size:,} | {size / st:.3f}x | - |")
     if result.get("speed"):
         lines += ["", f"Batch 1 greedy, {TOKENS} in / exactly {TOKENS} out, {result['threads']} thread(s), "
                   "interleaved rounds (wall time, and the process's CPU time, which other jobs on the machine disturb "

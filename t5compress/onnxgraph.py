@@ -1,6 +1,7 @@
 """Small helpers over an `onnx.GraphProto`, shared by the passes that edit graphs: export's (`export.simplify`),
 quantize's and the runtime's (`runtime.sharedkv`), and `weightless`, which takes a serialised model's weights out
-of the way of such a pass without parsing them. A leaf: it imports no other part of the package."""
+of the way of such a pass without parsing them. Imports no other part of the package but `onnxproto` (the messages and
+helpers without the onnx package, which the runtime does not import)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,13 @@ class Index:
 
     def value(self, name: str) -> np.ndarray | None:
         """The value of a constant tensor (initializer or Constant node), else None."""
-        from onnx import numpy_helper
+        from t5compress.onnxproto import to_array
 
         if name in self.inits:
-            return numpy_helper.to_array(self.inits[name])
+            return to_array(self.inits[name])
         node = self.producers.get(name)
         if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            return numpy_helper.to_array(node.attribute[0].t)
+            return to_array(node.attribute[0].t)
         return None
 
     def shape_dim(self, name: str) -> tuple[str, int] | None:
@@ -54,13 +55,13 @@ class Index:
 
     def constant(self, values: list[int], hint: str) -> str:
         """The name of a new int64 initializer holding `values`."""
-        from onnx import numpy_helper
+        from t5compress.onnxproto import from_array
 
         name, k = f"{hint}/static_shape", 0
         while name in self.inits:
             k += 1
             name = f"{hint}/static_shape_{k}"
-        t = numpy_helper.from_array(np.asarray(values, np.int64), name)
+        t = from_array(np.asarray(values, np.int64), name)
         self.graph.initializer.append(t)
         self.inits[name] = t
         return name

@@ -32,21 +32,21 @@ FOLDER = "session.model_external_initializers_file_folder_path"  # where a graph
 
 def cross_graph(path: Path) -> tuple[bytes, tuple[str, ...], tuple[str, ...]] | None:
     """(the cross-attention cache graph, decoder_model's input names, its output names) cut from the dir's
-    decoder_model, or None where that does not apply (the reason is logged). Needs the onnx package."""
+    decoder_model, or None where that does not apply (the reason is logged). Needs the onnx package installed
+    (`onnxproto`)."""
     if os.environ.get(ENV) == "decoder":
         return None
-    import onnx
-    from onnx.utils import Extractor
+    from t5compress.onnxproto import extract, parse
 
     file = path / f"{DECODER}{ONNX_SUFFIX}"
     try:
-        model = onnx.load(str(file), load_external_data=False)
+        model = parse(file.read_bytes())
         inputs = tuple(i.name for i in model.graph.input)
         outputs = tuple(o.name for o in model.graph.output)
         cross = [n for n in outputs if n.startswith("present.") and ".encoder." in n]
         if HIDDEN not in inputs or not cross:
             return None
-        sub = Extractor(model).extract_model([HIDDEN], cross)
+        sub = extract(model, [HIDDEN], cross)
     except Exception as e:  # a graph whose cross cache needs more than the encoder states: run decoder_model
         log.info("first step: no cross-attention graph cut from %s (%s): decoder_model runs it", file, e)
         return None

@@ -11,7 +11,8 @@ which the kernel writes each new key and value at `past_sequence_length`; beams 
 `cache_indirection` (batch, beams, max_len: the beam whose row holds each position), so a reorder is a small int32
 gather. Buffers are reused between calls (`BufferPool`): fresh ones page-fault every 4 KiB on every call.
 
-Needs the `onnx` package at load, for the graph alone: the weights are read by ONNX Runtime from the stored file,
+Needs the `onnx` package installed, for its message classes alone (`onnxproto`: the process does not import onnx,
+12-15 MB resident); the weights are read by ONNX Runtime from the stored file,
 mapped into memory (see `Rewritten`; the dir on disk keeps the layout optimum, Triton and the quantizer read). fp16
 and in-flight graphs, exports whose attention is laid out otherwise (older ones, other tools'), and graphs over
 `MAX_BYTES` run as stored. The rewritten graph still runs a step of the stored layout (`SharedGraph.run`: the
@@ -31,6 +32,7 @@ import numpy as np
 
 from t5compress.names import DECODER_WITH_PAST, ENCODER, ONNX_SUFFIX
 from t5compress.onnxgraph import weightless
+from t5compress.onnxproto import DTYPES, messages, parse, tensor_type, to_array
 from t5compress.runtime.hugepages import trim_heap
 from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite, row_lookups
 
@@ -103,7 +105,7 @@ def rewritten(path: Path) -> Rewritten | None:
     if os.environ.get(ENV, "1") == "0" or not file.is_file():
         return None
     try:
-        import onnx  # noqa: F401  (the rewrite's; `_weightless` parses with it)
+        messages()  # the rewrite's; `_weightless` parses with it
     except ImportError:
         log.info("shared cache: the onnx package is not installed: %s runs as stored", file)
         return None
@@ -136,11 +138,9 @@ def rewritten(path: Path) -> Rewritten | None:
 def _weightless(path: Path, file: Path, mapped: dict | None = None):
     """(the graph of `file`, parsed without its weights, as `onnxgraph.weightless` gives it; its external data
     files mapped, by location: those in `mapped` reused, so that a page read for two graphs is mapped once).
-    Needs the onnx package."""
-    import onnx
-
+    Needs the onnx package installed (`onnxproto`)."""
     weights = {WEIGHTS: _mapped(file)}
-    model = onnx.load_from_string(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
+    model = parse(weightless(memoryview(weights[WEIGHTS]), WEIGHTS))
     mapped = mapped or {}
     return model, weights | {loc: mapped.get(loc) or _mapped(_inside(path, loc))
                              for loc in _locations(model) - {WEIGHTS}}
@@ -184,12 +184,10 @@ def _named_bytes(model) -> int:
 
 def _array(tensor, weights: dict) -> np.ndarray:
     """An initializer's value, read where its bytes are (inline, or in one of `weights`' files)."""
-    from onnx import helper, numpy_helper
-
     if tensor.data_location != tensor.EXTERNAL:
-        return numpy_helper.to_array(tensor)
+        return to_array(tensor)
     where = {e.key: e.value for e in tensor.external_data}
-    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    dtype = DTYPES[tensor.data_type]
     count = int(np.prod(tensor.dims, dtype=np.int64))
     data = np.frombuffer(weights[where["location"]], dtype, count, int(where.get("offset", 0)))
     return data.reshape(tuple(tensor.dims))
@@ -198,13 +196,11 @@ def _array(tensor, weights: dict) -> np.ndarray:
 def _attach(model, arrays: dict) -> dict:
     """Add `arrays` to the model as initializers whose bytes are in-memory files of their own; returns those files
     by name (for `Rewritten.weights`), so that the serialised graph stays small."""
-    from onnx import helper
-
     files = {}
     for i, (name, a) in enumerate(arrays.items()):
         a = np.ascontiguousarray(a)
         t = model.graph.initializer.add()
-        t.name, t.data_type = name, helper.np_dtype_to_tensor_dtype(a.dtype)
+        t.name, t.data_type = name, tensor_type(a.dtype)
         t.dims.extend(a.shape)
         location = f"{WEIGHTS}-added-{i}"
         for key, v in (("location", location), ("offset", "0"), ("length", str(a.nbytes))):

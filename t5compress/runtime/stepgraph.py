@@ -20,8 +20,10 @@ export writes (`export.graphs` traced, `export.simplify` passed over, optionally
 from __future__ import annotations
 
 from t5compress.names import DECODER_MASK
+from t5compress.onnxproto import make_attribute, make_node, make_value_info
 
 PAST_LEN, BEAM_WIDTH, INDIRECTION = "past_sequence_length", "beam_width", "cache_indirection"
+INT32, INT64 = 6, 7  # TensorProto.DataType
 
 
 def rewrite(model) -> int:
@@ -156,40 +158,34 @@ class _Graph:
 
 
 def _add_inputs(g) -> None:
-    from onnx import TensorProto, helper
-
     g.input.extend([
-        helper.make_tensor_value_info(PAST_LEN, TensorProto.INT32, [1]),
-        helper.make_tensor_value_info(BEAM_WIDTH, TensorProto.INT32, [1]),
-        helper.make_tensor_value_info(INDIRECTION, TensorProto.INT32, ["batch", "beams", "max_length"]),
+        make_value_info(PAST_LEN, INT32, [1]),
+        make_value_info(BEAM_WIDTH, INT32, [1]),
+        make_value_info(INDIRECTION, INT32, ["batch", "beams", "max_length"]),
     ])
 
 
 def _shape_nodes(g, index, shapes: list) -> list:
     """Nodes computing what each Shape of a cache tensor gave, from past_sequence_length: (rows, heads, P, d_kv)
     for the past, P + 1 for the grown cache. The Shape nodes' outputs keep their names."""
-    from onnx import TensorProto, helper
-
     prefix = "/shared_cache"
-    nodes = [helper.make_node("Shape", ["input_ids"], [f"{prefix}/rows"], start=0, end=1),
-             helper.make_node("Cast", [PAST_LEN], [f"{prefix}/past"], to=TensorProto.INT64),
-             helper.make_node("Add", [f"{prefix}/past", index.constant([1], prefix)], [f"{prefix}/total"])]
+    nodes = [make_node("Shape", ["input_ids"], [f"{prefix}/rows"], start=0, end=1),
+             make_node("Cast", [PAST_LEN], [f"{prefix}/past"], to=INT64),
+             make_node("Add", [f"{prefix}/past", index.constant([1], prefix)], [f"{prefix}/total"])]
     for n, which, past_name in shapes:
         t = next(v for v in g.input if v.name == past_name)
         heads, d_kv = (t.type.tensor_type.shape.dim[i].dim_value for i in (1, 3))
         length = f"{prefix}/past" if which == "past" else f"{prefix}/total"
         name = n.output[0]
         parts = [f"{prefix}/rows", index.constant([heads], name), length, index.constant([d_kv], name)]
-        nodes.append(helper.make_node("Concat", parts, [name], axis=0))
+        nodes.append(make_node("Concat", parts, [name], axis=0))
     return nodes
 
 
 def _attention(layer: dict):
-    from onnx import helper
-
     inputs = [layer["q"], layer["k"], layer["v"], "", layer["bias"], layer["key"], layer["value"],
               PAST_LEN, BEAM_WIDTH, INDIRECTION]
-    return helper.make_node(
+    return make_node(
         "DecoderMaskedMultiHeadAttention", inputs, [layer["out"].output[0], *layer["present"]],
         name=f"{layer['name']}/shared_cache", domain="com.microsoft",
         num_heads=layer["heads"], past_present_share_buffer=1, scale=1.0)
@@ -205,8 +201,6 @@ def per_input_cross(model) -> int:
     d_kv) keys are one (beams, enc_len) product per head; the context goes back to (rows, 1, inner). Fed a cache of
     one row per beam (inputs = rows) the graph computes what it did before. The encoder mask then has a row per
     input, which the cross-attention bias alone reads."""
-    from onnx import helper
-
     g = model.graph
     graph = _Graph(g)
     keys = sorted((i.name for i in g.input if i.name.startswith("past_key_values.") and ".encoder.key" in i.name),
@@ -216,16 +210,16 @@ def per_input_cross(model) -> int:
         return 0
     inputs = "/per_input_cross/inputs"
     after: dict[int, list] = {}
-    first = [helper.make_node("Shape", [keys[0]], [inputs], start=0, end=1)]
+    first = [make_node("Shape", [keys[0]], [inputs], start=0, end=1)]
     for p in plans:
         heads, d_kv = p["heads"]
         q, ctx, out = p["q"], p["ctx"], p["out"]
         target = graph.index.constant([-1, heads, d_kv], f"{q.name}/per_input")
-        first.append(helper.make_node("Concat", [inputs, target], [f"{q.name}/per_input_shape"], axis=0))
+        first.append(make_node("Concat", [inputs, target], [f"{q.name}/per_input_shape"], axis=0))
         q.input[1] = f"{q.name}/per_input_shape"
-        by_head = helper.make_node("Transpose", [q.output[0]], [f"{q.output[0]}/by_head"], perm=[0, 2, 1, 3])
+        by_head = make_node("Transpose", [q.output[0]], [f"{q.output[0]}/by_head"], perm=[0, 2, 1, 3])
         p["scores"].input[0] = by_head.output[0]
-        by_row = helper.make_node("Transpose", [ctx.output[0]], [f"{ctx.output[0]}/by_row"], perm=[0, 2, 1, 3])
+        by_row = make_node("Transpose", [ctx.output[0]], [f"{ctx.output[0]}/by_row"], perm=[0, 2, 1, 3])
         out.input[0] = by_row.output[0]
         out.input[1] = graph.index.constant([-1, 1, heads * d_kv], f"{out.name}/per_input")
         after[id(q)], after[id(ctx)] = [by_head], [by_row]
@@ -247,8 +241,6 @@ def row_lookups(model, value) -> dict:
     step; over rows, the lookup reads 512 contiguous bytes per id. The lookup's pattern (Gather on axis 1 -> Cast ->
     Mul by the ids' own scales -> per-tensor Q/DQ -> Transpose to (..., d_model)) becomes Gather on axis 0 -> the
     same nodes, the scales gathered as (..., 1) -> no Transpose; a lookup that differs is left as it is."""
-    from onnx import helper
-
     graph = _Graph(model.graph)
     added: dict = {}
     for gather in [n for n in model.graph.node if n.op_type == "Gather"]:
@@ -261,7 +253,7 @@ def row_lookups(model, value) -> dict:
             added[rows] = value(graph.index.inits[gather.input[0]]).T.copy()
         gather.input[0] = rows
         del gather.attribute[:]
-        gather.attribute.append(helper.make_attribute("axis", 0))
+        gather.attribute.append(make_attribute("axis", 0))
         if scales is not None:
             column = f"{scales.input[0]}/column"
             if column not in added:

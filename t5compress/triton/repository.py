@@ -43,8 +43,8 @@ LEAF_SUFFIXES = {ENCODER: "encoder", DECODER: "decoder", DECODER_WITH_PAST: "dec
 BLS_SOURCE = "t5_bls.py"
 LEAF_SOURCE = "onnx_graph.py"
 # What the server-side python needs of the package: the runtime and the modules it imports (numpy, onnxruntime and
-# tokenizers are all they import in turn).
-RUNTIME_FILES = ("__init__.py", "errors.py", "names.py", "onnxgraph.py", "textio.py", "runtime")
+# tokenizers are all they import in turn, and protobuf where the onnx package is installed: `onnxproto`).
+RUNTIME_FILES = ("__init__.py", "errors.py", "names.py", "onnxgraph.py", "onnxproto.py", "textio.py", "runtime")
 # Export-dir files the BLS model reads (tokenizer, special ids and generation defaults, graph tensor names).
 NOT_COPIED = {"report.json", "t5compress.json"}
 

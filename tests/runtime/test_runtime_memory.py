@@ -10,7 +10,7 @@ import pytest
 
 from t5compress.runtime import load_runtime, sharedkv
 from t5compress.runtime.sessions import OnnxGraph
-from tests.runtime.test_runtime import build_model, export_with, inputs
+from tests.runtime.test_runtime import assert_light_imports, build_model, export_with, inputs
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +46,7 @@ def test_the_encoder_and_the_with_past_step_read_one_lookup_table(int8, monkeypa
     for gen in ({}, {"num_beams": 3, "num_return_sequences": 2}):
         np.testing.assert_array_equal(rt.generate(ids, mask, max_new_tokens=10, **gen),
                                       plain.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
+
+
+def test_an_int8_dir_loads_and_runs_without_importing_onnx(int8):
+    assert_light_imports(int8)  # its lookups on one row table as well (the test above)
