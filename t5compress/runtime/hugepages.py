@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import mmap
 import os
 import sys
@@ -94,24 +93,12 @@ def trim_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's `malloc_trim`; nothing elsewhere). Opening a session
     copies each weight before ONNX Runtime packs it and frees the copy, and glibc keeps most of what is freed mapped:
     a t5-small int8 runtime held 7 MB less after a trim at load, and as much less after a batch-8 call."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def can_trim() -> bool:
-    """Whether `trim_heap` gives anything back here (Linux with glibc)."""
-    return _malloc_trim() is not None
-
-
-@functools.cache
-def _malloc_trim():
     if not sys.platform.startswith("linux"):
-        return None
+        return
     try:
-        return ctypes.CDLL(None).malloc_trim
+        ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return None
+        pass
 
 
 def _collapse_page(libc, page: int, tries: int = 3) -> bool:

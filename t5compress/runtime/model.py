@@ -172,13 +172,9 @@ class Seq2SeqRuntime:
         decoder = self.decoder_for(hidden, mask, s.num_beams, s.max_length)
         search = beam_search if s.num_beams > 1 else greedy_search
         try:
-            out = search(decoder, input_ids.shape[0], s, self.tokens)
+            return search(decoder, input_ids.shape[0], s, self.tokens)
         finally:
             getattr(decoder, "close", lambda: None)()  # a shared-cache decoder gives its buffers back
-        del decoder, hidden
-        if self.device == "cpu":  # what the once-per-call graphs allocated (no arena: `sessions.session_options`)
-            hugepages.trim_heap()
-        return out
 
     def decoder_for(self, hidden: np.ndarray, mask: np.ndarray, beams: int, max_length: int):
         """The step-by-step decoder of one call: the cache as numpy arrays, in buffers written in place (a shared-

@@ -32,7 +32,6 @@ from t5compress.names import (
     USE_CACHE_BRANCH,
     graph_io,
 )
-from t5compress.runtime import hugepages
 from t5compress.runtime import threads as threads_mod
 from t5compress.runtime.fit import check_export
 
@@ -168,11 +167,12 @@ def check_torchscript(path: str | Path) -> None:
 class OnnxGraph:
     """An ONNX Runtime session fed only the inputs it declares, with outputs mapped by name."""
 
-    def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None, session=None, options=None):
-        """`session`: one the caller opened for `path` (else this opens the file, with `options`, by default
-        `session_options(threads)`)."""
+    def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None, session=None,
+                 once_per_call: bool = False):
+        """`session`: one the caller opened for `path` (else this opens the file); `once_per_call`: see
+        `session_options`."""
         self.name = path.stem
-        self.session = session or onnx_session(path, options or session_options(threads), providers)
+        self.session = session or onnx_session(path, session_options(threads, once_per_call), providers)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
 
@@ -223,10 +223,10 @@ class MergedStep:
         return {n: out[n] for n in self.output_names}
 
 
-def session_options(threads: int, once_per_call: bool = False, trimmed: bool = False):
+def session_options(threads: int, once_per_call: bool = False):
     """Sequential execution on `threads` intra-op threads (0: ONNX Runtime's default, one per physical core); with
     more than one, the workers spin while a run lasts only (`runtime.threads`). `once_per_call`: a graph run once per
-    generate call, not per step; `trimmed`: the caller trims the heap after each call (see below)."""
+    generate call, not per step (see below)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -246,10 +246,6 @@ def session_options(threads: int, once_per_call: bool = False, trimmed: bool = F
     # per token, keeps its pattern: with none anywhere, batch-1 greedy CPU time was the same in one paired run and 17%
     # more in another (load 5-9 on 2 cores).
     so.enable_mem_pattern = not once_per_call
-    # No arena either where the heap is trimmed after each call (`Seq2SeqRuntime.generate`): an arena keeps the
-    # largest call's buffers for good (t5-small static int8 after batch-8 calls: 185.5 -> 173.1 MB). Without a trim
-    # the C heap kept them too, scattered (199.7 MB): the arena stays where nothing trims, or nothing can.
-    so.enable_cpu_mem_arena = not (once_per_call and trimmed and hugepages.can_trim())
     so.log_severity_level = 3  # warnings about unused initializers etc. are noise for users of an export dir
     return so
 
@@ -330,9 +326,8 @@ def open_onnx(
     """`shared_cache` (CPU only): the dir's decoder_with_past_model as `runtime.sharedkv.rewritten` gave it, run over
     a cache written in place; None: as stored."""
 
-    def graph(name: str, trimmed: bool = False) -> OnnxGraph:  # trimmed: only ever run by `Seq2SeqRuntime.generate`
-        options = session_options(threads, once_per_call=name == ENCODER, trimmed=trimmed)
-        return OnnxGraph(path / f"{name}{ONNX_SUFFIX}", threads, providers, options=options)
+    def graph(name: str) -> OnnxGraph:
+        return OnnxGraph(path / f"{name}{ONNX_SUFFIX}", threads, providers, once_per_call=name == ENCODER)
 
     if onnx_decoders(path, decoders) == "merged":
         merged = graph(DECODER_MERGED)  # one session: the decoder weights are in memory once
@@ -342,16 +337,14 @@ def open_onnx(
         from t5compress.runtime.sharedkv import SharedGraph
 
         past = SharedGraph(shared_cache, session_options(threads))
-        lookups = shared_cache.encoder_session(session_options(threads, True, True))  # the tied lookup table once
+        lookups = shared_cache.encoder_session(session_options(threads, True))  # one copy of the tied lookup table
         if lookups is not None:
             encoder = OnnxGraph(path / f"{ENCODER}{ONNX_SUFFIX}", threads, session=lookups)
         if shared_cache.first is not None:  # the first step on the with-past graph: decoder weights in memory once
             from t5compress.runtime.firststep import FirstStep
 
-            first = FirstStep(path, shared_cache.first, past, session_options(threads, True, True),
-                              lambda: graph(DECODER))
-    encoder = encoder or graph(ENCODER, trimmed=past is not None)  # in-flight exports run no shared cache
-    return Backend("onnx", encoder, first or graph(DECODER), past or graph(DECODER_WITH_PAST))
+            first = FirstStep(path, shared_cache.first, past, session_options(threads, True), lambda: graph(DECODER))
+    return Backend("onnx", encoder or graph(ENCODER), first or graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 
 def open_torchscript(
