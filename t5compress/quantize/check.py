@@ -138,33 +138,35 @@ def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Check
     """Teacher-forced agreement (thresholded by cfg.min_agreement) and greedy agreement on the `checked` texts, and
     task metrics, of the fp32 export `src` vs the quantized one `out` (named, and a remedy given, as the
     `modes.Method` says). fp32's side is computed first and kept on disk, so the two runtimes are never loaded
-    together."""
+    together; both are opened for one pass (`sessions.one_pass`: their buffers are not kept between runs)."""
     from t5compress.quantize.methods import scratch_dir
     from t5compress.runtime import load_runtime
     from t5compress.runtime.limits import release_memory
+    from t5compress.runtime.sessions import one_pass
 
     label = method.label
     release_memory()  # the quantizer's freed buffers (1.4 GB resident after writing a t5-base shape's graphs)
-    fp32 = load_runtime(src, threads=cfg.threads)
-    texts, on = checked
-    if texts is None:
-        texts, on = _probe_texts(fp32), Checked.PROBE
-    texts = texts[:CHECK_TEXTS]
-    sources = checked[0] if evalset else None  # the eval texts (see check_texts)
-    every = sources is not None and len(sources) == len(texts)  # the check reads every eval text
-    a = greedy_outputs(fp32, texts, max_new_tokens=cfg.max_new_tokens)
-    p32 = a if every else greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens) if evalset else None
-    with scratch_dir(out.parent) as scratch:
-        reference = Reference(fp32, texts, cfg.batch_size, cfg.max_new_tokens, store=Path(scratch))
-        reference.fp32 = fp32 = None  # on disk now; compare is given both int8 graphs
-        release_memory()
-        int8 = load_runtime(out, threads=cfg.threads)
-        try:
-            tf = reference.compare(int8.backend.encoder, int8.backend.decoder)
-            b = greedy_outputs(int8, texts, max_new_tokens=cfg.max_new_tokens)
-        except Exception as e:  # onnxruntime's own types: an int8 graph that cannot even run is a broken quantization
-            raise QuantizeError(f"the {label} graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
-                                "nothing was written") from e
+    with one_pass():  # sessions that free each run's buffers, and no second with-past session
+        fp32 = load_runtime(src, threads=cfg.threads)
+        texts, on = checked
+        if texts is None:
+            texts, on = _probe_texts(fp32), Checked.PROBE
+        texts = texts[:CHECK_TEXTS]
+        sources = checked[0] if evalset else None  # the eval texts (see check_texts)
+        every = sources is not None and len(sources) == len(texts)  # the check reads every eval text
+        a = greedy_outputs(fp32, texts, max_new_tokens=cfg.max_new_tokens)
+        p32 = a if every else greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens) if evalset else None
+        with scratch_dir(out.parent) as scratch:
+            reference = Reference(fp32, texts, cfg.batch_size, cfg.max_new_tokens, store=Path(scratch))
+            reference.fp32 = fp32 = None  # on disk now; compare is given both int8 graphs
+            release_memory()
+            int8 = load_runtime(out, threads=cfg.threads)
+            try:
+                tf = reference.compare(int8.backend.encoder, int8.backend.decoder)
+                b = greedy_outputs(int8, texts, max_new_tokens=cfg.max_new_tokens)
+            except Exception as e:  # onnxruntime's own types: an int8 graph that cannot even run is broken
+                raise QuantizeError(f"the {label} graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
+                                    "nothing was written") from e
     result = {"check": {**tf, "greedy_agreement": agreement(a, b), "texts": len(texts), "on": on,
                         "min_agreement": cfg.min_agreement}}
     if tf["next_token_agreement"] < cfg.min_agreement:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from t5compress.names import DECODER_MASK, DECODER_WITH_PAST, ONNX_SUFFIX
-from t5compress.runtime.sessions import Backend, OnnxGraph, numpy_type, session_options
+from t5compress.runtime.sessions import Backend, OnnxGraph, in_one_pass, numpy_type, session_options
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,11 @@ def step_times(a: OnnxGraph, b: OnnxGraph, repeats: int = 9) -> tuple[float, flo
 
 def with_few_row_steps(backend: Backend, path: Path, threads: int, margin: float = MARGIN) -> Backend:
     """`backend` with its with-past steps of few rows on a one-thread session when that is faster (see the module
-    docstring); `backend` itself when it runs one thread, has no separate with-past session, or the pool is faster."""
+    docstring); `backend` itself when it runs one thread, has no separate with-past session, is opened for one pass
+    (`sessions.one_pass`), or the pool is faster."""
     pool = backend.decoder_with_past
     reopen = getattr(pool, "reopen", None)  # a shared-cache graph (runtime.sharedkv) reopens from its rewrite
-    if threads == 1 or (os.cpu_count() or 1) < 2 or not (isinstance(pool, OnnxGraph) or reopen):
+    if threads == 1 or in_one_pass() or (os.cpu_count() or 1) < 2 or not (isinstance(pool, OnnxGraph) or reopen):
         return backend
     if pool.session.get_providers() != ["CPUExecutionProvider"]:
         return backend

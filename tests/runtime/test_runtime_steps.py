@@ -11,7 +11,7 @@ import pytest
 
 from t5compress.export import ExportConfig, run
 from t5compress.runtime import load_runtime, steps
-from t5compress.runtime.sessions import OnnxGraph, open_backend
+from t5compress.runtime.sessions import OnnxGraph, one_pass, open_backend
 from t5compress.runtime.steps import FEW_ROWS, RowSplitGraph, step_feeds, step_times, with_few_row_steps
 
 
@@ -53,6 +53,8 @@ def test_the_second_session_is_kept_only_when_faster(export_dir, monkeypatch):
     backend = open_backend(export_dir, 2)
     assert with_few_row_steps(backend, export_dir, 2, margin=0.0) is backend  # never faster by a margin of 0
     assert with_few_row_steps(backend, export_dir, 1, margin=math.inf) is backend  # one thread: nothing to split
+    with one_pass():  # a runtime for one pass over long inputs keeps the one session
+        assert with_few_row_steps(backend, export_dir, 2, margin=math.inf) is backend
     merged = open_backend(export_dir, 2, decoders="merged")
     assert with_few_row_steps(merged, export_dir, 2, margin=math.inf) is merged  # no separate with-past session
 
