@@ -134,10 +134,16 @@ class TapGraph:
 
 
 def batches(texts: Sequence[str], size: int) -> Iterator[list[str]]:
+    for rows in batch_rows(texts, size):
+        yield [texts[j] for j in rows]
+
+
+def batch_rows(texts: Sequence[str], size: int) -> Iterator[list[int]]:
+    """The indices of `texts` in each batch of `batches`."""
     # Sorted by length: padding in a calibration batch would be calibration data no real request has.
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     for i in range(0, len(order), size):
-        yield [texts[j] for j in order[i : i + size]]
+        yield order[i : i + size]
 
 
 def drive(src: Path, graphs: dict, texts: Sequence[str], stats: dict[str, list[Statistic]],

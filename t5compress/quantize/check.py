@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from t5compress.errors import QuantizeError, first_line
-from t5compress.quantize.calibrate import RUN_TOKENS, batches
+from t5compress.quantize.calibrate import RUN_TOKENS, batch_rows
 
 CHECK_TEXTS = 200  # the texts the stage checks on (and a guided choice of groups is measured on)
 
@@ -33,21 +33,42 @@ class Reference:
     """fp32's greedy outputs on `texts`, its encoder states and its logits along them: what int8 graphs are compared
     with (computed once, so many variants can be measured). With `store`, each batch's arrays are written there and
     read back one batch at a time, so memory does not grow with the texts (200 texts of 512 tokens of a t5-base shape
-    are ~1.1 GB of logits and states)."""
+    are ~1.1 GB of logits and states). `outputs`: fp32's greedy texts, in the order of `texts`."""
 
     def __init__(self, fp32, texts: Sequence[str], batch_size: int = 16, max_new_tokens: int = 32,
-                 store: Path | None = None):
-        self.fp32, self.chunks = fp32, []
-        for i, item in enumerate(_references(fp32, texts, batch_size, max_new_tokens)):
+                 store: Path | None = None, bar=None):
+        self.fp32, self.chunks, self.rows, self.max_new_tokens = fp32, [], [], max_new_tokens
+        self.outputs = [""] * len(texts)
+        for i, (rows, item) in enumerate(_references(fp32, texts, batch_size, max_new_tokens)):
+            for j, text in zip(rows, fp32.decode(item[2]), strict=True):
+                self.outputs[j] = text.strip()
+            _count(bar, len(rows))
             if store is not None:
                 path = store / f"reference.{i}.npz"
                 np.savez(path, *item)
                 item = path
             self.chunks.append(item)
+            self.rows.append(rows)
 
-    def compare(self, encoder=None, decoder=None) -> dict:
+    def compare(self, encoder=None, decoder=None, bar=None) -> dict:
         """Next-token agreement and logit error of the given graphs (None: fp32's) along fp32's greedy outputs."""
-        return _compare(self.fp32, (_loaded(c) for c in self.chunks), encoder, decoder)
+        return _compare(self.fp32, (_loaded(c) for c in self.chunks), encoder, decoder, bar)
+
+    def greedy(self, rt, bar=None) -> list[str]:
+        """`rt`'s greedy outputs on the reference's texts, in their order, batched as fp32's were."""
+        out = [""] * len(self.outputs)
+        for chunk, rows in zip(self.chunks, self.rows, strict=True):
+            ids, mask = _inputs(chunk)
+            seq = rt.generate(ids, mask, max_new_tokens=self.max_new_tokens, num_beams=1)
+            for j, text in zip(rows, rt.decode(seq), strict=True):
+                out[j] = text.strip()
+            _count(bar, len(rows))
+        return out
+
+
+def _count(bar, rows: int) -> None:
+    if bar is not None:
+        bar.update(rows)
 
 
 def _loaded(chunk):
@@ -57,18 +78,27 @@ def _loaded(chunk):
     return chunk
 
 
+def _inputs(chunk) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's (input_ids, attention_mask), without reading its states and logits."""
+    if isinstance(chunk, Path):
+        with np.load(chunk) as z:
+            return z["arr_0"], z["arr_1"]
+    return chunk[0], chunk[1]
+
+
 def _references(fp32, texts: Sequence[str], batch_size: int, max_new_tokens: int) -> Iterator[tuple]:
-    """Per batch of `texts`: (ids, mask, fp32's greedy sequence, encoder states, logits along it, live positions)."""
-    for chunk in batches(texts, rows_for(fp32, texts, batch_size)):
-        ids, mask = fp32.encode(chunk)
+    """Per batch of `texts`: its rows (indices into `texts`), and (ids, mask, fp32's greedy sequence, encoder states,
+    logits along it, live positions)."""
+    for rows in batch_rows(texts, rows_for(fp32, texts, batch_size)):
+        ids, mask = fp32.encode([texts[j] for j in rows])
         seq = fp32.generate(ids, mask, max_new_tokens=max_new_tokens, num_beams=1)  # (batch, 1 + steps)
         hidden = _encode(fp32.backend.encoder, ids, mask)
         live = seq[:, 1:] != fp32.tokens.pad  # (batch, steps): positions before padding
         live[:, 0] = True
-        yield ids, mask, seq, hidden, _decode(fp32.backend.decoder, hidden, mask, seq), live
+        yield rows, (ids, mask, seq, hidden, _decode(fp32.backend.decoder, hidden, mask, seq), live)
 
 
-def _compare(fp32, chunks, encoder=None, decoder=None) -> dict:
+def _compare(fp32, chunks, encoder=None, decoder=None, bar=None) -> dict:
     agree = total = rows = 0
     worst_rel, sum_rel = 0.0, 0.0
     for ids, mask, seq, hidden, ref, live in chunks:
@@ -83,6 +113,7 @@ def _compare(fp32, chunks, encoder=None, decoder=None) -> dict:
         worst_rel = max(worst_rel, float(rel.max()))
         sum_rel += float(rel.sum())
         rows += len(ids)
+        _count(bar, len(ids))
     return {"next_token_agreement": round(agree / max(total, 1), 4), "positions": total,
             "max_rel_logit_error": round(worst_rel, 4), "mean_rel_logit_error": round(sum_rel / max(rows, 1), 4)}
 
@@ -134,11 +165,14 @@ def check_texts(cfg, texts: list[str] | None, evalset) -> tuple[list[str] | None
     return texts, Checked.CALIBRATION
 
 
-def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Checked], evalset, method) -> dict:
+def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Checked], evalset, method,
+               progress: bool = True) -> dict:
     """Teacher-forced agreement (thresholded by cfg.min_agreement) and greedy agreement on the `checked` texts, and
     task metrics, of the fp32 export `src` vs the quantized one `out` (named, and a remedy given, as the
     `modes.Method` says). fp32's side is computed first and kept on disk, so the two runtimes are never loaded
-    together; both are opened for one pass (`sessions.one_pass`: their buffers are not kept between runs)."""
+    together; both are opened for one pass (`sessions.one_pass`: their buffers are not kept between runs). fp32
+    generates once: its greedy outputs are the reference's sequences."""
+    from t5compress.progress import Reporter
     from t5compress.quantize.methods import scratch_dir
     from t5compress.runtime import load_runtime
     from t5compress.runtime.limits import release_memory
@@ -154,16 +188,20 @@ def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Check
         texts = texts[:CHECK_TEXTS]
         sources = checked[0] if evalset else None  # the eval texts (see check_texts)
         every = sources is not None and len(sources) == len(texts)  # the check reads every eval text
-        a = greedy_outputs(fp32, texts, max_new_tokens=cfg.max_new_tokens)
-        p32 = a if every else greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens) if evalset else None
+        n = len(texts)
         with scratch_dir(out.parent) as scratch:
-            reference = Reference(fp32, texts, cfg.batch_size, cfg.max_new_tokens, store=Path(scratch))
+            with Reporter("quantize", n, unit="text", what="checking: fp32", enabled=progress, transient=True) as bar:
+                reference = Reference(fp32, texts, cfg.batch_size, cfg.max_new_tokens, store=Path(scratch), bar=bar)
+            a = reference.outputs
+            p32 = a if every else greedy_outputs(fp32, sources, max_new_tokens=cfg.max_new_tokens) if evalset else None
             reference.fp32 = fp32 = None  # on disk now; compare is given both int8 graphs
             release_memory()
             int8 = load_runtime(out, threads=cfg.threads)
             try:
-                tf = reference.compare(int8.backend.encoder, int8.backend.decoder)
-                b = greedy_outputs(int8, texts, max_new_tokens=cfg.max_new_tokens)
+                with Reporter("quantize", 2 * n, unit="text", what=f"checking: {label}", enabled=progress,
+                              transient=True) as bar:
+                    tf = reference.compare(int8.backend.encoder, int8.backend.decoder, bar=bar)
+                    b = reference.greedy(int8, bar=bar)
             except Exception as e:  # onnxruntime's own types: an int8 graph that cannot even run is broken
                 raise QuantizeError(f"the {label} graphs fail to run ({first_line(e)}); quantize fewer --op-types; "
                                     "nothing was written") from e

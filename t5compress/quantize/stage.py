@@ -178,7 +178,7 @@ def _make(export, tmp: Path, method, source: dict | None) -> dict:
     _finish(src, tmp, cfg, plan, graphs, models)
     del models  # stored: the check opens the dir, and both runtimes come on top of what this run still holds
     return {**method.settings(cfg, plan), "graphs": graphs, "size": _sizes(src, tmp, source), "plan": asdict(plan),
-            **check_int8(src, tmp, cfg, export.checked, export.evalset, method)}
+            **check_int8(src, tmp, cfg, export.checked, export.evalset, method, export.progress)}
 
 
 def _quantize(export, tmp: Path, method) -> tuple[dict, dict]:

@@ -578,8 +578,49 @@ def test_the_check_opened_for_one_pass_computes_the_same_numbers(tiny_export):
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
     assert greedy_outputs(lean, texts, max_new_tokens=8) == greedy_outputs(plain, texts, max_new_tokens=8)
+    # the check's fp32 greedy outputs are the reference's sequences (a pass of their own before); another runtime's
+    # are generated on the same batches (a near-tie in this untrained model's logits flips with the batch's rows)
+    assert lean_ref.greedy(plain) == lean_ref.outputs  # in the order of `texts`:
+    first = lean_ref.rows[0]
+    assert [lean_ref.outputs[j] for j in first] == [t.strip() for t in plain.generate_text([texts[j] for j in first],
+                                                                                          max_new_tokens=8)]
     same = plain_ref.compare(lean.backend.encoder, lean.backend.decoder)
     assert same["next_token_agreement"] == 1.0 and same["max_rel_logit_error"] == 0.0, same
+
+
+def test_the_check_generates_each_text_with_fp32_once_and_shows_its_progress(tiny_export, tmp_path, monkeypatch,
+                                                                            capsys):
+    """fp32's greedy outputs in the check are the reference's sequences, so fp32 generates each checked text once
+    (twice before: a quarter of flan-t5-large's static stage on 128 texts of 512 tokens), and the check, the stage's
+    longest silence at that size, reports its progress."""
+    import t5compress.runtime as runtime_pkg
+    from t5compress.runtime.model import Seq2SeqRuntime
+
+    rows: Counter = Counter()
+    generate, load_runtime = Seq2SeqRuntime.generate, runtime_pkg.load_runtime
+
+    def counted(self, input_ids, *args, **kwargs):
+        rows[getattr(self, "opened_from", None)] += len(input_ids)
+        return generate(self, input_ids, *args, **kwargs)
+
+    def opened(path, *args, **kwargs):
+        rt = load_runtime(path, *args, **kwargs)
+        rt.opened_from = Path(path).resolve()
+        return rt
+
+    monkeypatch.setattr(Seq2SeqRuntime, "generate", counted)
+    monkeypatch.setattr(runtime_pkg, "load_runtime", opened)
+    monkeypatch.setenv("T5COMPRESS_PROGRESS", "lines")
+    rng = np.random.default_rng(1)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("".join("".join(rng.choice(list("abcdefgh "), 40)) + "\n" for _ in range(12)))
+    out = tmp_path / "int8"
+    r = run(tiny_export, QuantizeConfig(calib_data=str(calib), samples=12, batch_size=5, min_agreement=0), out)
+    assert r["check"]["texts"] == 12
+    assert rows[tiny_export.resolve()] == 12  # the check's fp32 runtime: each text once
+    assert rows[out.resolve()] == 0 and rows[None] > 0  # int8's opened in the scratch dir; calibration's own
+    err = capsys.readouterr().err
+    assert "checking: fp32" in err and "checking: int8" in err
 
 
 def test_a_rewritten_graph_keeps_a_copy_of_its_structure(tiny_export, tmp_path):
