@@ -1,0 +1,186 @@
+"""Thread scaling beside the peers (issue 43): p50 ms of one greedy call at 1 and 2 threads for our static int8
+export, CTranslate2 int8 and llama.cpp Q8_0 of the same checkpoint, and the 2-thread/1-thread speed-up.
+
+Each (engine, threads, batch) cell runs in a process of its own; the processes run in rounds, every cell once per
+round in the same order (1t ours, 2t ours, 1t CTranslate2, 2t CTranslate2, 1t llama.cpp, ...), so a drift in the
+machine's load hits every cell alike. Each process: 2 warm-up calls (not timed), then `--calls` timed calls with
+`--pause` s before each. A cell's p50 is over all its timed calls of all rounds. Greedy, 32 tokens in (random ids,
+the last `</s>`) and exactly 32 out (min = max new tokens; llama.cpp: EOS ignored); batch 1 for every engine and the
+`--batches` beyond 1 for ours and CTranslate2 (the llama.cpp driver decodes one sequence).
+
+llama.cpp runs through `benchmarks/thread_peers_llama.cpp`, a small driver on llama.h (encode once, then one
+`llama_decode` per token, greedy argmax over the logits in C++); build it against llama.cpp (the copy vendored in the
+llama-cpp-python 0.3.16 sdist here) and convert the checkpoint with its `convert_hf_to_gguf.py --outtype q8_0`; see
+docs/benchmarks.md, "Threads: 1 vs 2 at batch 1 and 8 (issue 43)".
+
+    PYTHONPATH=. .venv/bin/python benchmarks/thread_peers.py --ours t5-small=DIR --ct2 t5-small=CT2_DIR \
+        --llama t5-small=MODEL.gguf --llama-driver BUILD/t5drive --peer-python .venv-bench/bin/python \
+        --out benchmarks/results/current/thread_peers
+
+More models: more NAME=PATH of each engine. Writes OUT.json and OUT.md (stamped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ENGINES = {"ours": "our static int8", "ct2": "CTranslate2 int8", "llama": "llama.cpp Q8_0"}
+N_IN, N_OUT, WARMUP = 32, 32, 2
+
+
+def input_rows(batch: int) -> np.ndarray:
+    rows = np.random.default_rng(0).integers(3, 250, size=(batch, N_IN))
+    rows[:, -1] = 1
+    return rows
+
+
+def ours(path: str, threads: int, batch: int):
+    from t5compress.runtime import load_runtime
+
+    rt = load_runtime(path, threads=threads, max_input_tokens=None)
+    rows = input_rows(batch)
+
+    def call() -> int:
+        out = rt.generate(rows, np.ones_like(rows), max_new_tokens=N_OUT, min_new_tokens=N_OUT, num_beams=1)
+        return int(np.asarray(out).shape[1]) - 1  # without the decoder start token
+    return call
+
+
+def ct2(path: str, threads: int, batch: int):
+    import ctranslate2
+
+    tr = ctranslate2.Translator(path, device="cpu", compute_type="int8", inter_threads=1, intra_threads=threads)
+    vocab = json.loads((Path(path) / "shared_vocabulary.json").read_text())
+    tokens = [[vocab[i] for i in row.tolist()] for row in input_rows(batch)]
+
+    def call() -> int:
+        out = tr.translate_batch(tokens, beam_size=1, max_decoding_length=N_OUT, min_decoding_length=N_OUT,
+                                 max_batch_size=0)
+        return min(len(r.hypotheses[0]) for r in out)
+    return call
+
+
+def child(engine: str, path: str, threads: int, batch: int, calls: int, pause: float) -> dict:
+    """The timed calls of one cell in this process: ms per call, load average, tokens out."""
+    call = {"ours": ours, "ct2": ct2}[engine](path, threads, batch)
+    ms, outs = [], set()
+    for i in range(WARMUP + calls):
+        time.sleep(pause)
+        t0 = time.perf_counter()
+        outs.add(call())
+        if i >= WARMUP:
+            ms.append((time.perf_counter() - t0) * 1000)
+    return {"ms": ms, "tokens_out": sorted(outs)}
+
+
+def run_cell(engine: str, path: str, threads: int, batch: int, args: argparse.Namespace) -> dict:
+    load = os.getloadavg()[0]
+    if engine == "llama":
+        ids = ",".join(str(i) for i in input_rows(1)[0].tolist())
+        cmd = [str(args.llama_driver), path, str(threads), ids, str(N_OUT), str(WARMUP), str(args.calls),
+               str(round(args.pause * 1000))]
+    else:
+        python = sys.executable if engine == "ours" else str(args.peer_python)
+        cmd = [python, __file__, "--child", engine, path, str(threads), str(batch), str(args.calls), str(args.pause)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {engine} {threads}t b{batch}: {done.stderr.strip().splitlines()[-1:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if engine == "llama":
+        out = {"ms": out["ms"], "tokens_out": [len(out["tokens"])]}
+    return {**out, "load": [round(load, 2), round(os.getloadavg()[0], 2)]}
+
+
+def measure(models: list[dict], args: argparse.Namespace) -> list[dict]:
+    cells = [{"model": m["name"], "engine": e, "batch": b, "threads": t, "path": m[e], "runs": []}
+             for m in models for e in ENGINES if m.get(e)
+             for b in args.batches if b == 1 or e != "llama" for t in args.threads]
+    for r in range(args.rounds):
+        for c in cells:
+            c["runs"].append(run_cell(c["engine"], c["path"], c["threads"], c["batch"], args))
+        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    rows = []
+    for c in cells:
+        ms = [x for run in c["runs"] for x in run["ms"]]
+        rows.append({"model": c["model"], "engine": c["engine"], "batch": c["batch"], "threads": c["threads"],
+                     "p50_ms": round(float(np.median(ms)), 1), "p90_ms": round(float(np.percentile(ms, 90)), 1),
+                     "p50_ms_each_round": [round(float(np.median(run["ms"])), 1) for run in c["runs"]],
+                     "timed_calls": len(ms), "tokens_out": sorted({n for run in c["runs"] for n in run["tokens_out"]}),
+                     "load": [x for run in c["runs"] for x in run["load"]]})
+    return rows
+
+
+def table(rows: list[dict], threads: list[int]) -> list[str]:
+    base = threads[0]
+    head = ["model", "engine", "batch", *[f"{t} thread{'s' if t > 1 else ''}" for t in threads],
+            *[f"{t} vs {base}" for t in threads[1:]], "rounds' p50s", "load"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|" + "---:|" * (2 * len(threads) - 1) + "---|---|"]
+    keyed = {(r["model"], r["engine"], r["batch"], r["threads"]): r for r in rows}
+    for model, engine, batch in dict.fromkeys((r["model"], r["engine"], r["batch"]) for r in rows):
+        cell = [keyed[(model, engine, batch, t)] for t in threads]
+        speed = [f"**{cell[0]['p50_ms'] / c['p50_ms']:.2f}x**" for c in cell[1:]]
+        rounds = "; ".join(f"{t}t " + "/".join(f"{x:g}" for x in c["p50_ms_each_round"])
+                           for t, c in zip(threads, cell, strict=True))
+        load = [x for c in cell for x in c["load"]]
+        lines.append(f"| {model} | {ENGINES[engine]} | {batch} | " + " | ".join(f"{c['p50_ms']}" for c in cell)
+                     + " | " + " | ".join(speed) + f" | {rounds} | {min(load):.2f}-{max(load):.2f} |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    return "\n".join([
+        "# Thread scaling beside the peers (greedy, 32 in / exactly 32 out, p50 ms per call)", "",
+        f"Each engine, thread count and batch in a process of its own, in {result['rounds']} rounds (every cell once "
+        f"per round, in the table's order); {WARMUP} warm-up calls per process, then {result['calls']} timed calls "
+        f"({result['pause']} s pause before each); p50 over the timed calls of all rounds. Load: the 1-minute load "
+        "average before and after each process. Tokens out per call: "
+        + ", ".join(sorted({str(n) for r in result["rows"] for n in r["tokens_out"]})) + ".", "",
+        *table(result["rows"], result["threads"]), ""])
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        engine, path, threads, batch, calls, pause = sys.argv[2:8]
+        print(json.dumps(child(engine, path, int(threads), int(batch), int(calls), float(pause))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for engine, what in (("ours", "our static int8 export dir"), ("ct2", "CTranslate2 int8 dir"),
+                         ("llama", "llama.cpp Q8_0 GGUF file")):
+        ap.add_argument(f"--{engine}", action="append", default=[], metavar="NAME=PATH", help=f"{what} of model NAME")
+    ap.add_argument("--llama-driver", type=Path, help="the built thread_peers_llama.cpp driver")
+    ap.add_argument("--peer-python", type=Path, default=Path(sys.executable), help="a Python with ctranslate2")
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=10, help="timed calls per process")
+    ap.add_argument("--pause", type=float, default=0.06, help="seconds before each call")
+    ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md")
+    args = ap.parse_args()
+    models: dict[str, dict] = {}
+    for engine in ENGINES:
+        for spec in getattr(args, engine):
+            name, _, path = spec.partition("=")
+            models.setdefault(name, {"name": name})[engine] = path
+    models = list(models.values())
+    if any(m.get("llama") for m in models) and not args.llama_driver:
+        raise SystemExit("error: --llama needs --llama-driver")
+    rows = measure(models, args)
+    result = {"threads": args.threads, "batches": args.batches, "rounds": args.rounds, "calls": args.calls,
+              "pause": args.pause, "models": models, "rows": rows}
+    from t5compress.bench.stamp import write_result
+
+    md = markdown(result)
+    write_result(args.out, result, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
