@@ -138,11 +138,8 @@ def rows_for(rt, texts: Sequence[str], batch_size: int) -> int:
 
 def greedy_outputs(rt, texts: Sequence[str], batch_size: int = 32, max_new_tokens: int = 32) -> list[str]:
     """Greedy outputs in the order of `texts` (batched by length, so padding stays small)."""
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    batch_size = rows_for(rt, texts, batch_size)
     out: list[str] = [""] * len(texts)
-    for i in range(0, len(order), batch_size):
-        idx = order[i : i + batch_size]
+    for idx in batch_rows(texts, rows_for(rt, texts, batch_size)):
         for j, text in zip(idx, rt.generate_text([texts[k] for k in idx], max_new_tokens=max_new_tokens),
                            strict=True):
             out[j] = text.strip()
