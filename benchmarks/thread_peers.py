@@ -1,5 +1,7 @@
 """Thread scaling beside the peers (issue 43): p50 ms of one greedy call at 1 and 2 threads for our static int8
-export, CTranslate2 int8 and llama.cpp Q8_0 of the same checkpoint, and the 2-thread/1-thread speed-up.
+export (and fp32, `--fp32`), CTranslate2 int8 and llama.cpp Q8_0 of the same checkpoint, and the 2-thread/1-thread
+speed-up. Before the first round and after each, the memory bandwidth one core gets and two get together (the host's
+other tenants share it; a batch-1 step streams tens of MB of weights).
 
 Each (engine, threads, batch) cell runs in a process of its own; the processes run in rounds, every cell once per
 round in the same order (1t ours, 2t ours, 1t CTranslate2, 2t CTranslate2, 1t llama.cpp, ...), so a drift in the
@@ -32,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-ENGINES = {"ours": "our static int8", "ct2": "CTranslate2 int8", "llama": "llama.cpp Q8_0"}
+ENGINES = {"ours": "our static int8", "fp32": "our fp32", "ct2": "CTranslate2 int8", "llama": "llama.cpp Q8_0"}
+BANDWIDTH_MB, BANDWIDTH_S = 256, 2.0  # the probe's array and how long each process reads it
 N_IN, N_OUT, WARMUP = 32, 32, 2
 
 
@@ -70,7 +73,7 @@ def ct2(path: str, threads: int, batch: int):
 
 def child(engine: str, path: str, threads: int, batch: int, calls: int, pause: float) -> dict:
     """The timed calls of one cell in this process: ms per call, load average, tokens out."""
-    call = {"ours": ours, "ct2": ct2}[engine](path, threads, batch)
+    call = {"ours": ours, "fp32": ours, "ct2": ct2}[engine](path, threads, batch)
     ms, outs = [], set()
     for i in range(WARMUP + calls):
         time.sleep(pause)
@@ -88,7 +91,7 @@ def run_cell(engine: str, path: str, threads: int, batch: int, args: argparse.Na
         cmd = [str(args.llama_driver), path, str(threads), ids, str(N_OUT), str(WARMUP), str(args.calls),
                str(round(args.pause * 1000))]
     else:
-        python = sys.executable if engine == "ours" else str(args.peer_python)
+        python = str(args.peer_python) if engine == "ct2" else sys.executable
         cmd = [python, __file__, "--child", engine, path, str(threads), str(batch), str(args.calls), str(args.pause)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
     if done.returncode != 0:
@@ -99,14 +102,47 @@ def run_cell(engine: str, path: str, threads: int, batch: int, args: argparse.Na
     return {**out, "load": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
 
-def measure(models: list[dict], args: argparse.Namespace) -> list[dict]:
+def read_memory(start: float) -> tuple[float, float, float]:
+    """GB/s of this process reading a `BANDWIDTH_MB` array (numpy max, one core) for `BANDWIDTH_S` from `start`, and
+    when it began and ended (epoch s)."""
+    a = np.ones(BANDWIDTH_MB << 20, np.uint8)
+    a.max()
+    while time.time() < start:
+        time.sleep(0.001)
+    n, t0, began = 0, time.perf_counter(), time.time()
+    while time.perf_counter() - t0 < BANDWIDTH_S:
+        a.max()
+        n += 1
+    return n * (BANDWIDTH_MB << 20) / 1e9 / (time.perf_counter() - t0), began, time.time()
+
+
+def bandwidth() -> dict:
+    """The memory bandwidth one core gets alone and two cores get together, now: the host's other tenants share
+    it, and a batch-1 step streams its weights from memory (tens of MB a step), so it bounds what a second thread
+    can gain."""
+    def at_once(k: int) -> list[list[float]]:
+        start = time.time() + 1.5  # after both processes have their arrays
+        ps = [subprocess.Popen([sys.executable, __file__, "--bandwidth", str(start)], stdout=subprocess.PIPE,
+                               text=True) for _ in range(k)]
+        return [json.loads(p.communicate()[0]) for p in ps]
+    one, two = at_once(1)[0][0], at_once(2)
+    overlap = (min(t[2] for t in two) - max(t[1] for t in two)) / BANDWIDTH_S  # 1.0: the two read side by side
+    total = sum(t[0] for t in two)
+    return {"one_core_gb_s": round(one, 1), "two_cores_gb_s": round(total, 1), "ratio": round(total / one, 2),
+            "overlap": round(overlap, 2)}
+
+
+def measure(models: list[dict], args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     cells = [{"model": m["name"], "engine": e, "batch": b, "threads": t, "path": m[e], "runs": []}
              for m in models for e in ENGINES if m.get(e)
              for b in args.batches if b == 1 or e != "llama" for t in args.threads]
+    probes = [bandwidth()]
     for r in range(args.rounds):
         for c in cells:
             c["runs"].append(run_cell(c["engine"], c["path"], c["threads"], c["batch"], args))
-        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+        probes.append(bandwidth())
+        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}, memory {probes[-1]}",
+              file=sys.stderr, flush=True)
     rows = []
     for c in cells:
         ms = [x for run in c["runs"] for x in run["ms"]]
@@ -115,7 +151,7 @@ def measure(models: list[dict], args: argparse.Namespace) -> list[dict]:
                      "p50_ms_each_round": [round(float(np.median(run["ms"])), 1) for run in c["runs"]],
                      "timed_calls": len(ms), "tokens_out": sorted({n for run in c["runs"] for n in run["tokens_out"]}),
                      "load": [x for run in c["runs"] for x in run["load"]]})
-    return rows
+    return rows, probes
 
 
 def table(rows: list[dict], threads: list[int]) -> list[str]:
@@ -143,16 +179,25 @@ def markdown(result: dict) -> str:
         f"({result['pause']} s pause before each); p50 over the timed calls of all rounds. Load: the 1-minute load "
         "average before and after each process. Tokens out per call: "
         + ", ".join(sorted({str(n) for r in result["rows"] for n in r["tokens_out"]})) + ".", "",
-        *table(result["rows"], result["threads"]), ""])
+        *table(result["rows"], result["threads"]), "",
+        "Memory bandwidth before the first round and after each (GB/s, numpy reading a 256 MB array for 2 s: one "
+        "core alone / two cores at once, ratio, and the share of the 2 s the two read side by side): " + "; ".join(
+            f"{b['one_core_gb_s']} / {b['two_cores_gb_s']} ({b['ratio']:.2f}x, {b['overlap']:.0%})"
+            for b in result["bandwidth"])
+        + ".", ""])
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--bandwidth":
+        print(json.dumps(read_memory(float(sys.argv[2]))))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         engine, path, threads, batch, calls, pause = sys.argv[2:8]
         print(json.dumps(child(engine, path, int(threads), int(batch), int(calls), float(pause))))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for engine, what in (("ours", "our static int8 export dir"), ("ct2", "CTranslate2 int8 dir"),
+    for engine, what in (("ours", "our static int8 export dir"), ("fp32", "our fp32 export dir"),
+                         ("ct2", "CTranslate2 int8 dir"),
                          ("llama", "llama.cpp Q8_0 GGUF file")):
         ap.add_argument(f"--{engine}", action="append", default=[], metavar="NAME=PATH", help=f"{what} of model NAME")
     ap.add_argument("--llama-driver", type=Path, help="the built thread_peers_llama.cpp driver")
@@ -172,9 +217,9 @@ def main() -> None:
     models = list(models.values())
     if any(m.get("llama") for m in models) and not args.llama_driver:
         raise SystemExit("error: --llama needs --llama-driver")
-    rows = measure(models, args)
+    rows, probes = measure(models, args)
     result = {"threads": args.threads, "batches": args.batches, "rounds": args.rounds, "calls": args.calls,
-              "pause": args.pause, "models": models, "rows": rows}
+              "pause": args.pause, "models": models, "rows": rows, "bandwidth": probes}
     from t5compress.bench.stamp import write_result
 
     md = markdown(result)
