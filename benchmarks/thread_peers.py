@@ -81,7 +81,8 @@ def child(engine: str, path: str, threads: int, batch: int, calls: int, pause: f
         outs.add(call())
         if i >= WARMUP:
             ms.append((time.perf_counter() - t0) * 1000)
-    return {"ms": ms, "tokens_out": sorted(outs)}
+    huge = next((int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHuge")), 0)
+    return {"ms": ms, "tokens_out": sorted(outs), "huge_mb": round(huge / 1024)}
 
 
 def run_cell(engine: str, path: str, threads: int, batch: int, args: argparse.Namespace) -> dict:
@@ -149,6 +150,7 @@ def measure(models: list[dict], args: argparse.Namespace) -> tuple[list[dict], l
         rows.append({"model": c["model"], "engine": c["engine"], "batch": c["batch"], "threads": c["threads"],
                      "p50_ms": round(float(np.median(ms)), 1), "p90_ms": round(float(np.percentile(ms, 90)), 1),
                      "p50_ms_each_round": [round(float(np.median(run["ms"])), 1) for run in c["runs"]],
+                     "huge_pages_mb_each_round": [run.get("huge_mb") for run in c["runs"]],
                      "timed_calls": len(ms), "tokens_out": sorted({n for run in c["runs"] for n in run["tokens_out"]}),
                      "load": [x for run in c["runs"] for x in run["load"]]})
     return rows, probes
@@ -164,6 +166,8 @@ def table(rows: list[dict], threads: list[int]) -> list[str]:
         cell = [keyed[(model, engine, batch, t)] for t in threads]
         speed = [f"**{cell[0]['p50_ms'] / c['p50_ms']:.2f}x**" for c in cell[1:]]
         rounds = "; ".join(f"{t}t " + "/".join(f"{x:g}" for x in c["p50_ms_each_round"])
+                           + (" (huge pages MB " + "/".join(str(h) for h in c["huge_pages_mb_each_round"]) + ")"
+                              if c["huge_pages_mb_each_round"][0] is not None else "")
                            for t, c in zip(threads, cell, strict=True))
         load = [x for c in cell for x in c["load"]]
         lines.append(f"| {model} | {ENGINES[engine]} | {batch} | " + " | ".join(f"{c['p50_ms']}" for c in cell)
