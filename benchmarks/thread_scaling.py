@@ -11,8 +11,10 @@ Variants (all with the runtime's own code; the settings they change are patched 
   2t-nospin        threads=2 with the settings before issue 43 (workers never spin)
   2t-spin          threads=2 with ONNX Runtime's default spinning (workers spin ~50 ms after every run)
   2t-blockbase4    2t plus `session.dynamic_block_base` 4
-  2t-past1t        2t, with-past steps of up to 4 rows forced onto a one-thread session (per-graph threads)
-  2t-pastspin      2t, but the with-past pool spins on after each step (~50 ms): it spins from step to step
+
+(Its earlier results also have 2t-past1t, the with-past steps of up to 4 rows on a one-thread session, and
+2t-pastspin, the with-past pool spinning on between steps: both measured slower, and the runtime code they patched
+is gone.)
 
     PYTHONPATH=. .venv/bin/python benchmarks/thread_scaling.py int8=DIR fp32=DIR --batches 1 8 \
         --out benchmarks/results/current/thread_scaling
@@ -32,30 +34,24 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = ("1t", "2t", "2t-nospin", "2t-spin", "2t-blockbase4", "2t-past1t", "2t-pastspin")
+VARIANTS = ("1t", "2t", "2t-nospin", "2t-spin", "2t-blockbase4")
 
 
 def opened(variant: str, path: str):
     """The runtime on `path` with `variant`'s settings (patched while it opens, restored after)."""
-    from functools import partial
+    from t5compress.runtime import load_runtime, threads
 
-    from t5compress.runtime import load_runtime, model, threads
-
-    spin, split, per_graph = dict(threads.SPIN_IN_RUN), model.with_few_row_steps, dict(threads.PER_GRAPH)
+    spin = dict(threads.SPIN_IN_RUN)
     if variant == "2t-nospin":
         threads.SPIN_IN_RUN = dict(threads.NO_SPIN)
     elif variant == "2t-spin":
         threads.SPIN_IN_RUN = {"session.intra_op.allow_spinning": "1"}
     elif variant == "2t-blockbase4":
         threads.SPIN_IN_RUN = {**spin, "session.dynamic_block_base": "4"}
-    elif variant == "2t-past1t":
-        model.with_few_row_steps = partial(split, margin=float("inf"))  # the one-thread session is always kept
-    elif variant == "2t-pastspin":
-        threads.PER_GRAPH = {**per_graph, "decoder_with_past_model": {"session.force_spinning_stop": "0"}}
     try:
         return load_runtime(path, threads=1 if variant == "1t" else 2, max_input_tokens=None)
     finally:
-        threads.SPIN_IN_RUN, model.with_few_row_steps, threads.PER_GRAPH = spin, split, per_graph
+        threads.SPIN_IN_RUN = spin
 
 
 def child(variants: list[str], path: str, batch: int, calls: int, pause: float) -> dict:

@@ -69,7 +69,6 @@ def load_ours(path: Path, threads: int, settings: dict) -> Generate:
     from t5compress.runtime import load_runtime
 
     logging.basicConfig(format="%(name)s: %(message)s")  # the worker's stderr: the variant's log
-    logging.getLogger("t5compress.runtime.steps").setLevel(logging.INFO)  # which session runs few-row steps, and why
     rt = load_runtime(path, threads=threads, max_input_tokens=None, device=settings.get("device", "cpu"))
     eos = _eos(settings)
 

@@ -177,7 +177,7 @@ def check_int8(src: Path, out: Path, cfg, checked: tuple[list[str] | None, Check
 
     label = method.label
     release_memory()  # the quantizer's freed buffers (1.4 GB resident after writing a t5-base shape's graphs)
-    with one_pass():  # sessions that free each run's buffers, and no second with-past session
+    with one_pass():  # sessions that free each run's buffers
         fp32 = load_runtime(src, threads=cfg.threads)
         texts, on = checked
         if texts is None:

@@ -19,7 +19,6 @@ from t5compress.runtime.search import beam_search, greedy_search
 from t5compress.runtime.sessions import Backend, open_backend
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
 from t5compress.runtime.sharedkv import SharedCacheDecoder, is_shared, rewritten
-from t5compress.runtime.steps import with_few_row_steps
 from t5compress.runtime.text import TOKENIZER_FILE, Encoded, encode_batch, input_limit, load_text_tokenizer
 
 log = logging.getLogger(__name__)
@@ -261,9 +260,7 @@ def load_runtime(
     Args:
         path: export directory (encoder_model, decoder_model, decoder_with_past_model + config files; or
             encoder_model and decoder_model_merged alone).
-        threads: intra-op threads per graph (0: the backend's default). With more than one, ONNX on the CPU,
-            decoder steps of up to 4 rows run on a one-thread session of their own when a step timed at load is
-            faster there (see `runtime.steps`).
+        threads: intra-op threads per graph (0: the backend's default; see `runtime.threads`).
         providers: ONNX Runtime execution providers (default: CPU).
         decoders: 'separate', 'merged' or 'auto' (the separate decoders when the dir has them, else the merged one).
         max_input_tokens: longest input in tokens, longer ones are truncated (None or 0: no limit); default: the
@@ -295,8 +292,6 @@ def load_runtime(
         raise ModelError(f"--io-binding: '{p}' opened as {backend.format} with "
                          f"{'merged' if backend.format == 'onnx' else 'TorchScript'} decoders; IO binding runs the "
                          "separate ONNX decoder graphs (--decoders separate)")
-    if backend.format == "onnx" and placed == "cpu" and not io_binding:
-        backend = with_few_row_steps(backend, p, threads)
     tokens, defaults = read_generation_defaults(p)
     rt = Seq2SeqRuntime(p, backend, tokens, defaults, max_input_tokens, ModelShape.read(p))
     rt.device, rt.io_binding = placed, io_binding

@@ -230,19 +230,15 @@ _one_pass = False  # set by `one_pass`
 @contextmanager
 def one_pass() -> Iterator[None]:
     """Sessions opened inside give each run's buffers back as it ends (no arena: ONNX Runtime's keeps each session's
-    largest working set for good), and `load_runtime` opens no one-thread with-past session beside the pool's
-    (`runtime.steps`): for runtimes that make one pass over long inputs, where memory counts more than speed. The
-    quantize check of a t5-base shape on 16 texts of 512 tokens: its fp32 runtime's peak 4.0 -> 2.5 GB."""
+    largest working set for good): for runtimes that make one pass over long inputs, where memory counts more than
+    speed. The quantize check of a t5-base shape on 16 texts of 512 tokens: its fp32 runtime's peak 4.0 -> 2.5 GB
+    (with the one-thread with-past session the runtime then also opened, since removed)."""
     global _one_pass
     before, _one_pass = _one_pass, True
     try:
         yield
     finally:
         _one_pass = before
-
-
-def in_one_pass() -> bool:
-    return _one_pass
 
 
 def session_options(threads: int, once_per_call: bool = False):

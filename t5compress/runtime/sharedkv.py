@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,17 +246,11 @@ class SharedGraph:
         self.cross_per_input = done.cross_per_input  # fed one cross-attention cache and mask row per input
         self.pool = BufferPool()
         self.session = done.session(options)
-        self._done = weakref.ref(done)  # alive while `load_runtime` holds it: `reopen` needs no second rewrite
         extra = (PAST_LEN, BEAM_WIDTH, INDIRECTION)
         self.input_names = tuple(i.name for i in self.session.get_inputs() if i.name not in extra)
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.past = {i.name: (i.shape[1], i.shape[3]) for i in self.session.get_inputs()
                      if i.name.startswith("past_key_values.") and ".decoder." in i.name}  # name -> (heads, d_kv)
-
-    def reopen(self, options) -> SharedGraph | None:
-        """The same graph on a session with other `options`."""
-        done = self._done()
-        return SharedGraph(done, options) if done is not None else open_shared(self.path, options)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A step of the stored layout: the cache (rows, heads, P, d_kv) in, the grown cache out."""
@@ -272,14 +265,8 @@ class SharedGraph:
 
 
 def is_shared(graph) -> bool:
-    """Whether `graph` (or a row split of two of them) runs over a shared cache."""
-    return bool(getattr(_owner(graph), "shared_cache", False))
-
-
-def _owner(graph):
-    """The graph itself, or the pool session's graph of a `runtime.steps.RowSplitGraph` (whose one-thread session
-    `reopen` made from the same rewrite, so the two share flags)."""
-    return graph.many if hasattr(graph, "few") else graph
+    """Whether `graph` runs over a shared cache."""
+    return bool(getattr(graph, "shared_cache", False))
 
 
 class BufferPool:
@@ -305,12 +292,6 @@ class BufferPool:
             del self.free[: -self.sets]
 
 
-def _session(graph, rows: int):
-    if hasattr(graph, "few"):  # runtime.steps.RowSplitGraph
-        return graph.few.session if rows <= graph.few_rows else graph.many.session
-    return graph.session
-
-
 class SharedCacheDecoder:
     """`CachedDecoder`'s contract (step, reorder, keep) over a `SharedGraph`: the self-attention cache is one buffer
     per tensor of `max_length` positions, written in place; beams reorder through `cache_indirection`.
@@ -327,9 +308,8 @@ class SharedCacheDecoder:
         self.buffers: dict[str, np.ndarray] = {}  # past name -> (rows, heads, max_length, d_kv)
         self.cross: dict[str, np.ndarray] = {}  # past name -> (rows or inputs, heads, enc_len, d_kv)
         self.past_len = np.zeros(1, np.int32)
-        owner = _owner(self.graph)
-        self.per_input = owner.cross_per_input  # the cross-attention cache and the mask: a row per input
-        self.pool = owner.pool
+        self.per_input = self.graph.cross_per_input  # the cross-attention cache and the mask: a row per input
+        self.pool = self.graph.pool
         self.owned: list[np.ndarray] = []  # the pool's arrays this call holds (cache buffers, logits)
         self.io = None
 
@@ -366,7 +346,7 @@ class SharedCacheDecoder:
         return expand(out["logits"][:, -1, :].astype(np.float32, copy=False))
 
     def _bind(self, rows: int) -> None:
-        self.session = _session(self.graph, rows)
+        self.session = self.graph.session
         self.ids = np.zeros((rows, 1), np.int64)
         self.width = np.array([self.beams], np.int32)
         io = self.session.io_binding()

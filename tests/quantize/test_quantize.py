@@ -553,21 +553,19 @@ def test_static_stage_memory_does_not_grow_with_the_texts(gated_export, tmp_path
 
 
 def test_the_check_opened_for_one_pass_computes_the_same_numbers(tiny_export):
-    """The check opens its runtimes for one pass (`sessions.one_pass`: sessions without an arena, no one-thread
-    with-past session), which takes its peak memory down and must change no number: fp32's references (greedy
-    sequences, encoder states, teacher-forced logits; the decoder that computes them opened inside the block too) and
-    greedy outputs are those of a runtime opened as usual, so the agreement and logit errors are too."""
+    """The check opens its runtimes for one pass (`sessions.one_pass`: sessions without an arena), which takes its
+    peak memory down and must change no number: fp32's references (greedy sequences, encoder states, teacher-forced
+    logits; the decoder that computes them opened inside the block too) and greedy outputs are those of a runtime
+    opened as usual, so the agreement and logit errors are too."""
     from t5compress.quantize.check import Reference, greedy_outputs
     from t5compress.runtime import load_runtime
     from t5compress.runtime.sessions import one_pass
-    from t5compress.runtime.steps import RowSplitGraph
 
     rng = np.random.default_rng(0)
     texts = ["".join(rng.choice(list("abcdefgh "), int(rng.integers(20, 400)))) for _ in range(12)]
     with one_pass():
         lean = load_runtime(tiny_export, threads=2)
         lean_ref = Reference(lean, texts, batch_size=5, max_new_tokens=8)
-    assert not isinstance(lean.backend.decoder_with_past, RowSplitGraph)
     assert not lean.backend.encoder.session.get_session_options().enable_cpu_mem_arena
     assert not lean.backend.decoder.stored.session.get_session_options().enable_cpu_mem_arena  # opened inside
     plain = load_runtime(tiny_export, threads=2)
