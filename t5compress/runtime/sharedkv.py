@@ -48,13 +48,13 @@ class Rewritten:
     without its weights (`onnxgraph.weightless`: a few hundred KB, its initializers naming their bytes in the
     stored file by offset). Where every weight it names lives in the dir's own data files (`weights.onnx_data`, a
     dir that stores each weight once), ONNX Runtime finds them there (`FOLDER`) and maps them as it does for a graph
-    opened from its path; where some live in the graph file itself (optimum's layout) or in arrays made here, the
-    files are handed to it mapped, as in-memory external data files (it takes all or none), which it copies from
-    while it opens a session: a transient copy of the graph's weights (t5-base static int8's with-past step opened
-    alone: peak 351 against 206 MB from the path). Nothing is written anywhere, and the weights are never parsed or
-    serialised by the onnx package (flan-t5-small fp32: 0.8-1.0 s at load when they were, through a temporary
-    file). `load_runtime` makes it before it notes the process's memory regions for huge pages (a file
-    mapping is not one of them) and drops it once the sessions are open.
+    opened from its path (the arrays made here are declared by their sources' bytes: `_attach`); where some live in
+    the graph file itself (optimum's layout), the files are handed to it mapped, as in-memory external data files
+    (it takes all or none), which it copies from while it opens a session: a transient copy of the graph's weights
+    (t5-base static int8's with-past step opened alone: peak 351 against 206 MB from the path). Nothing is written
+    anywhere, and the weights are never parsed or serialised by the onnx package (flan-t5-small fp32: 0.8-1.0 s at
+    load when they were, through a temporary file). `load_runtime` makes it before it notes the process's memory
+    regions for huge pages (a file mapping is not one of them) and drops it once the sessions are open.
 
     The lookup tables made at load (`stepgraph.row_lookups`) are not copied: every session that reads one is given
     the same array (`SessionOptions.add_initializer`, which ONNX Runtime reads in place), the encoder's lookups
@@ -170,11 +170,11 @@ def _encoder(path: Path, tables: dict, mapped: dict) -> tuple | None:
                         and np.array_equal(t, a)), None) for name, a in own.items()}
     if not same or any(t is None for t in same.values()):
         return None
+    weights |= _attach(model, same)
     read = {x for node in model.graph.node for x in node.input}
     unread = [t for t in model.graph.initializer if t.name not in read]  # the column tables: never copied at load
     for t in unread:
         model.graph.initializer.remove(t)
-    weights |= _attach(model, same)
     return model.SerializeToString(), weights, same
 
 
@@ -201,11 +201,24 @@ def _array(tensor, weights: dict) -> np.ndarray:
 
 
 def _attach(model, arrays: dict) -> dict:
-    """Add `arrays` to the model as initializers whose bytes are in-memory files of their own; returns those files
-    by name (for `Rewritten.weights`), so that the serialised graph stays small."""
+    """Add `arrays` (`row_lookups`' tables, named `SOURCE/rows` or `SOURCE/column` after the initializer each was
+    made from) to the model as initializers, so that the serialised graph stays small; returns the in-memory files
+    this needs, by name (for `Rewritten.weights`). The session gets each array itself (`add_initializer`, read in
+    place), so an initializer here only has to declare it: where its source holds the same number of bytes in the
+    dir's own files, it names those bytes (with the array's shape), and ONNX Runtime can read every weight from the
+    dir's files (`_session_over`); otherwise its bytes are an in-memory file of their own."""
     files = {}
+    inits = {t.name: t for t in model.graph.initializer}
     for i, (name, a) in enumerate(arrays.items()):
         a = np.ascontiguousarray(a)
+        source = inits.get(name.rsplit("/", 1)[0])
+        if source is not None and _file_bytes(source) == a.nbytes and source.data_type == tensor_type(a.dtype):
+            t = model.graph.initializer.add()
+            t.CopyFrom(source)
+            t.name = name
+            del t.dims[:]
+            t.dims.extend(a.shape)
+            continue
         t = model.graph.initializer.add()
         t.name, t.data_type = name, tensor_type(a.dtype)
         t.dims.extend(a.shape)
@@ -216,6 +229,14 @@ def _attach(model, arrays: dict) -> dict:
         t.data_location = t.EXTERNAL
         files[location] = a.reshape(-1).view(np.uint8)
     return files
+
+
+def _file_bytes(tensor) -> int | None:
+    """How many bytes of the dir's own data files an initializer names (None: inline, or in the graph file)."""
+    where = {e.key: e.value for e in tensor.external_data} if tensor.data_location == tensor.EXTERNAL else {}
+    if not where or where.get("location", "").startswith(WEIGHTS) or "length" not in where:
+        return None
+    return int(where["length"])
 
 
 def _mapped(file: Path):
