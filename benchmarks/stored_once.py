@@ -139,10 +139,10 @@ def render(result: dict) -> str:
     for name, size in result["bytes"].items():
         m = result["memory"].get(name, {})
         after, loaded, again = m.get("after_b8", {}), m.get("loaded", {}), m.get("after_b8x2", {})
-        lines.append(f"| {name} | {size:,} | {size / st:.3f}x | {size / ct2:.3f}x | {loaded.get('VmRSS', '-')} | "
+        vs_ct2 = f"{size / ct2:.3f}x" if ct2 else "-"
+        lines.append(f"| {name} | {size:,} | {size / st:.3f}x | {vs_ct2} | {loaded.get('VmRSS', '-')} | "
                      f"{after.get('VmRSS', '-')} | {after.get('Pss', '-')} | {after.get('RssAnon', '-')} | "
-                     f"{after.get('VmHWM', '-')} | {again.get('VmRSS', '-')} |"
-                     if ct2 else f"| {name} | {size:,} | {size / st:.3f}x | - |")
+                     f"{after.get('VmHWM', '-')} | {again.get('VmRSS', '-')} |")
     if result.get("speed"):
         lines += ["", f"Batch 1 greedy, {TOKENS} in / exactly {TOKENS} out, {result['threads']} thread(s), "
                   "interleaved rounds (wall time, and the process's CPU time, which other jobs on the machine disturb "
