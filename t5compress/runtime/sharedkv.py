@@ -59,7 +59,8 @@ class Rewritten:
     The lookup tables made at load (`stepgraph.row_lookups`) are not copied: every session that reads one is given
     the same array (`SessionOptions.add_initializer`, which ONNX Runtime reads in place), the encoder's lookups
     included where they gather from the same bytes (`encoder`): a tied t5-small int8 table is 16 MB, which the
-    encoder otherwise read column by column from a mapping of its own."""
+    encoder otherwise read column by column from a mapping of its own. A stored table that lookups gather rows of
+    (an untied embedding, `_row_tables`) is given the same way, an array over the mapped file."""
 
     path: Path  # the export dir
     model: bytes  # the rewritten graph, its large initializers external
@@ -124,9 +125,11 @@ def rewritten(path: Path) -> Rewritten | None:
             return None
         layers = rewrite(model)
         cross = per_input_cross(model) if layers else 0
-        tables = row_lookups(model, lambda t: _array(t, weights)) if layers else {}
+        rows = _row_tables(model, weights)  # the stored tables a lookup gathers rows of (before `row_lookups`
+        tables = row_lookups(model, lambda t: _array(t, weights)) if layers else {}  # adds its own)
         tables = {n: a if a.base is None else a.copy() for n, a in tables.items()}  # kept: not views of a mapping
         weights |= _attach(model, tables)
+        tables |= {name: array for name, (_, array) in rows.items()}  # read in place, by every session
     except Exception as e:  # a damaged or partial graph: opening it as stored says what is wrong, in one line
         log.info("shared cache: %s not rewritten (%s): run as stored", file, e)
         return None
@@ -139,7 +142,7 @@ def rewritten(path: Path) -> Rewritten | None:
     from t5compress.runtime.firststep import cross_graph
 
     return Rewritten(path, model.SerializeToString(), weights, cross > 0, cross_graph(path), tables,
-                     _encoder(path, tables, weights))
+                     _encoder(path, tables, weights, dict(rows.values())))
 
 
 def _weightless(path: Path, file: Path, mapped: dict | None = None):
@@ -153,21 +156,24 @@ def _weightless(path: Path, file: Path, mapped: dict | None = None):
                              for loc in _locations(model) - {WEIGHTS}}
 
 
-def _encoder(path: Path, tables: dict, mapped: dict) -> tuple | None:
+def _encoder(path: Path, tables: dict, mapped: dict, rows: dict | None = None) -> tuple | None:
     """(graph, weights, tables) of the dir's encoder, each of its embedding lookups gathering rows of the one of
-    `tables` that holds the same values (`row_lookups`), or None where it has no such lookup or one has no equal.
-    `mapped`: the with-past graph's weights, whose mapped files it reuses."""
+    `tables` that holds the same values (`row_lookups`) or, for a table stored by rows, the same stored bytes
+    (`rows`: their place in the dir's files -> the with-past step's array), or None where it has no such lookup or
+    one has no equal. `mapped`: the with-past graph's weights, whose mapped files it reuses."""
     file = path / f"{ENCODER}{ONNX_SUFFIX}"
     if not tables or not file.is_file():
         return None
     try:
         model, weights = _weightless(path, file, mapped)
+        stored = {name: (rows or {}).get(place) for name, (place, _) in _row_tables(model, weights).items()}
         own = row_lookups(model, lambda t: _array(t, weights))
     except Exception as e:  # the encoder opens as stored, which names what is wrong
         log.info("shared cache: %s lookups not rewritten (%s): opened as stored", file, e)
         return None
     same = {name: next((t for t in tables.values() if t.shape == a.shape and t.dtype == a.dtype
                         and np.array_equal(t, a)), None) for name, a in own.items()}
+    same |= {name: a for name, a in stored.items() if a is not None}
     if not same or any(t is None for t in same.values()):
         return None
     weights |= _attach(model, same)
@@ -210,6 +216,8 @@ def _attach(model, arrays: dict) -> dict:
     files = {}
     inits = {t.name: t for t in model.graph.initializer}
     for i, (name, a) in enumerate(arrays.items()):
+        if name in inits:  # a stored table (`_row_tables`): the graph declares it already
+            continue
         a = np.ascontiguousarray(a)
         source = inits.get(name.rsplit("/", 1)[0])
         if source is not None and _file_bytes(source) == a.nbytes and source.data_type == tensor_type(a.dtype):
@@ -229,6 +237,28 @@ def _attach(model, arrays: dict) -> dict:
         t.data_location = t.EXTERNAL
         files[location] = a.reshape(-1).view(np.uint8)
     return files
+
+
+ROW_TABLE_BYTES = 1 << 20  # a stored lookup table this large is read in place and shared (`_row_tables`)
+
+
+def _row_tables(model, weights: dict) -> dict:
+    """The stored tables the graph's lookups gather rows of (Gather on axis 0 of an initializer of at least
+    `ROW_TABLE_BYTES` in the dir's own files; an untied embedding), by name: (their place in the files, the array
+    over the mapped file, no copy). Given to the sessions in place (`add_initializer`), one mapping serves the
+    encoder and the with-past step: opened apart, ONNX Runtime maps each graph's weights itself, and a lookup's
+    pages fault in 64 KiB around each row read, so in time each session held the table (flan-t5-small int8: two
+    16 MB tables' worth after ten batch-8 calls)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    found = {}
+    for node in model.graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        t = inits.get(node.input[0]) if node.op_type == "Gather" and axis == 0 and node.input else None
+        if t is not None and (_file_bytes(t) or 0) >= ROW_TABLE_BYTES and len(t.dims) == 2:
+            where = {e.key: e.value for e in t.external_data}
+            place = (where["location"], int(where.get("offset", 0)), int(where["length"]))
+            found[t.name] = (place, _array(t, weights))
+    return found
 
 
 def _file_bytes(tensor) -> int | None:

@@ -75,3 +75,22 @@ def test_every_weight_is_read_from_the_dirs_files(int8, monkeypatch):
     for gen in ({}, {"num_beams": 3, "num_return_sequences": 2}):
         np.testing.assert_array_equal(rt.generate(ids, mask, max_new_tokens=10, **gen),
                                       copied.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
+
+
+def test_an_untied_table_is_mapped_once_for_the_encoder_and_the_step(gated_export, monkeypatch):
+    """An untied embedding is stored by rows: the encoder's lookups and the with-past step's read one array over
+    the mapped file (`sharedkv._row_tables`), not a mapping each, which in time each held the whole table
+    (flan-t5-small after eleven batch-8 calls: 187.3 -> 172.0 MB resident int8, 445.1 -> 386.4 fp32); the tokens are
+    those of the graphs as stored."""
+    monkeypatch.setattr(sharedkv, "ROW_TABLE_BYTES", 1)  # the test model's table is a few KB
+    rt = load_runtime(gated_export, threads=1)
+    encoder = rt.backend.encoder.session.t5compress_tables
+    past = rt.backend.decoder_with_past.session.t5compress_tables
+    assert encoder and {v.data_ptr() for v in encoder.values()} <= {v.data_ptr() for v in past.values()}
+    ids, mask = inputs(5)
+    monkeypatch.setenv(sharedkv.ENV, "0")  # every graph as stored
+    stored = load_runtime(gated_export, threads=1)
+    assert not sharedkv.is_shared(stored.backend.decoder_with_past)
+    for gen in ({}, {"num_beams": 3, "num_return_sequences": 2}):
+        np.testing.assert_array_equal(rt.generate(ids, mask, max_new_tokens=10, **gen),
+                                      stored.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
