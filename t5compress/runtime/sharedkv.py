@@ -125,8 +125,8 @@ def rewritten(path: Path) -> Rewritten | None:
             return None
         layers = rewrite(model)
         cross = per_input_cross(model) if layers else 0
-        rows = _row_tables(model, weights)  # the stored tables a lookup gathers rows of (before `row_lookups`
-        tables = row_lookups(model, lambda t: _array(t, weights)) if layers else {}  # adds its own)
+        rows = _row_tables(model, weights)  # found before `row_lookups` adds row tables of its own
+        tables = row_lookups(model, lambda t: _array(t, weights)) if layers else {}
         tables = {n: a if a.base is None else a.copy() for n, a in tables.items()}  # kept: not views of a mapping
         weights |= _attach(model, tables)
         tables |= {name: array for name, (_, array) in rows.items()}  # read in place, by every session
@@ -156,7 +156,7 @@ def _weightless(path: Path, file: Path, mapped: dict | None = None):
                              for loc in _locations(model) - {WEIGHTS}}
 
 
-def _encoder(path: Path, tables: dict, mapped: dict, rows: dict | None = None) -> tuple | None:
+def _encoder(path: Path, tables: dict, mapped: dict, rows: dict) -> tuple | None:
     """(graph, weights, tables) of the dir's encoder, each of its embedding lookups gathering rows of the one of
     `tables` that holds the same values (`row_lookups`) or, for a table stored by rows, the same stored bytes
     (`rows`: their place in the dir's files -> the with-past step's array), or None where it has no such lookup or
@@ -166,7 +166,7 @@ def _encoder(path: Path, tables: dict, mapped: dict, rows: dict | None = None) -
         return None
     try:
         model, weights = _weightless(path, file, mapped)
-        stored = {name: (rows or {}).get(place) for name, (place, _) in _row_tables(model, weights).items()}
+        stored = {name: rows.get(place) for name, (place, _) in _row_tables(model, weights).items()}
         own = row_lookups(model, lambda t: _array(t, weights))
     except Exception as e:  # the encoder opens as stored, which names what is wrong
         log.info("shared cache: %s lookups not rewritten (%s): opened as stored", file, e)
@@ -189,7 +189,7 @@ def _named_bytes(model) -> int:
     file in optimum's layout, its share of weights.onnx_data in a dir that stores each weight once (`onnxstore`)."""
     places = {}
     for t in model.graph.initializer:
-        entry = {e.key: e.value for e in t.external_data} if t.data_location == t.EXTERNAL else {}
+        entry = _external(t)
         if entry and entry.get("location") != WEIGHTS:  # WEIGHTS: the graph file's own bytes, counted apart
             places[entry.get("location"), entry.get("offset")] = int(entry.get("length") or 0)
     return sum(places.values())
@@ -199,7 +199,7 @@ def _array(tensor, weights: dict) -> np.ndarray:
     """An initializer's value, read where its bytes are (inline, or in one of `weights`' files)."""
     if tensor.data_location != tensor.EXTERNAL:
         return to_array(tensor)
-    where = {e.key: e.value for e in tensor.external_data}
+    where = _external(tensor)
     dtype = DTYPES[tensor.data_type]
     count = int(np.prod(tensor.dims, dtype=np.int64))
     data = np.frombuffer(weights[where["location"]], dtype, count, int(where.get("offset", 0)))
@@ -247,23 +247,28 @@ def _row_tables(model, weights: dict) -> dict:
     `ROW_TABLE_BYTES` in the dir's own files; an untied embedding), by name: (their place in the files, the array
     over the mapped file, no copy). Given to the sessions in place (`add_initializer`), one mapping serves the
     encoder and the with-past step: opened apart, ONNX Runtime maps each graph's weights itself, and a lookup's
-    pages fault in 64 KiB around each row read, so in time each session held the table (flan-t5-small int8: two
-    16 MB tables' worth after ten batch-8 calls)."""
+    pages fault in 64 KiB around each row read, so in time each session held the table (flan-t5-small int8: 32 MB
+    of the file resident after eleven batch-8 calls, 17 MB with one array)."""
     inits = {t.name: t for t in model.graph.initializer}
     found = {}
     for node in model.graph.node:
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         t = inits.get(node.input[0]) if node.op_type == "Gather" and axis == 0 and node.input else None
         if t is not None and (_file_bytes(t) or 0) >= ROW_TABLE_BYTES and len(t.dims) == 2:
-            where = {e.key: e.value for e in t.external_data}
+            where = _external(t)
             place = (where["location"], int(where.get("offset", 0)), int(where["length"]))
             found[t.name] = (place, _array(t, weights))
     return found
 
 
+def _external(tensor) -> dict[str, str]:
+    """An initializer's external data entries (location, offset, length), empty when its bytes are inline."""
+    return {e.key: e.value for e in tensor.external_data} if tensor.data_location == tensor.EXTERNAL else {}
+
+
 def _file_bytes(tensor) -> int | None:
     """How many bytes of the dir's own data files an initializer names (None: inline, or in the graph file)."""
-    where = {e.key: e.value for e in tensor.external_data} if tensor.data_location == tensor.EXTERNAL else {}
+    where = _external(tensor)
     if not where or where.get("location", "").startswith(WEIGHTS) or "length" not in where:
         return None
     return int(where["length"])
