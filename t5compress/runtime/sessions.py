@@ -169,15 +169,18 @@ class OnnxGraph:
     """An ONNX Runtime session fed only the inputs it declares, with outputs mapped by name."""
 
     def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None, session=None,
-                 once_per_call: bool = False):
+                 once_per_call: bool = False, fills=None):
         """`session`: one the caller opened for `path` (else this opens the file); `once_per_call`: see
-        `session_options`."""
-        self.name = path.stem
+        `session_options`; `fills`: the lazy lookup tables it reads (`runtime.lazyrows.Fills`), filled with the
+        ids of every run first."""
+        self.name, self.fills = path.stem, fills
         self.session = session or onnx_session(path, session_options(threads, once_per_call), providers)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.fills is not None:
+            self.fills.fill(feeds["input_ids"])
         values = self.session.run(None, dict(zip(self.input_names, _feeds_for(self, feeds), strict=True)))
         return dict(zip(self.output_names, values, strict=True))
 
@@ -358,7 +361,7 @@ def open_onnx(
         past = SharedGraph(shared_cache, session_options(threads))
         lookups = shared_cache.encoder_session(session_options(threads, True))  # one copy of the tied lookup table
         if lookups is not None:
-            encoder = OnnxGraph(path / f"{ENCODER}{ONNX_SUFFIX}", threads, session=lookups)
+            encoder = OnnxGraph(path / f"{ENCODER}{ONNX_SUFFIX}", threads, session=lookups, fills=shared_cache.fills)
         if shared_cache.first is not None:  # the first step on the with-past graph: decoder weights in memory once
             from t5compress.runtime.firststep import FirstStep
 

@@ -34,6 +34,7 @@ from t5compress.onnxgraph import weightless
 from t5compress.onnxproto import DTYPES, messages, parse, tensor_type, to_array
 from t5compress.runtime.firststep import FOLDER
 from t5compress.runtime.hugepages import trim_heap
+from t5compress.runtime.lazyrows import Fills, LazyRows
 from t5compress.runtime.stepgraph import BEAM_WIDTH, INDIRECTION, PAST_LEN, per_input_cross, rewrite, row_lookups
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,12 @@ class Rewritten:
     load when they were, through a temporary file). `load_runtime` makes it before it notes the process's memory
     regions for huge pages (a file mapping is not one of them) and drops it once the sessions are open.
 
-    The lookup tables made at load (`stepgraph.row_lookups`) are not copied: every session that reads one is given
+    The lookup tables by row (`stepgraph.row_lookups`' of a tied int8 table stored by column, and a stored table
+    that lookups gather rows of, an untied embedding: `_row_tables`) are held by the rows looked up, filled from
+    the stored table as ids are first seen (`runtime.lazyrows`: `fills`), and every session that reads one is given
     the same array (`SessionOptions.add_initializer`, which ONNX Runtime reads in place), the encoder's lookups
-    included where they gather from the same bytes (`encoder`): a tied t5-small int8 table is 16 MB, which the
-    encoder otherwise read column by column from a mapping of its own. A stored table that lookups gather rows of
-    (an untied embedding, `_row_tables`) is given the same way, an array over the mapped file."""
+    included where they gather from the same stored table (`encoder`): a tied t5-small int8 table is 16 MB, which
+    the encoder otherwise read column by column from a mapping of its own."""
 
     path: Path  # the export dir
     model: bytes  # the rewritten graph, its large initializers external
@@ -69,6 +71,7 @@ class Rewritten:
     first: tuple | None = None  # `runtime.firststep.cross_graph`: the first step runs on this graph, not decoder_model
     tables: dict[str, np.ndarray] = field(default_factory=dict)  # the lookup tables made at load, by initializer
     encoder: tuple | None = None  # (graph, weights, tables) of the encoder, its lookups on `tables`' arrays
+    fills: Fills | None = None  # the lazy tables among `tables`: filled before every run that reads them
 
     def session(self, options):
         return _session_over(self.model, self.weights, self.tables, options, self.path)
@@ -125,9 +128,13 @@ def rewritten(path: Path) -> Rewritten | None:
             return None
         layers = rewrite(model)
         cross = per_input_cross(model) if layers else 0
-        rows = _row_tables(model, weights)  # found before `row_lookups` adds row tables of its own
-        tables = row_lookups(model, lambda t: _array(t, weights)) if layers else {}
-        tables = {n: a if a.base is None else a.copy() for n, a in tables.items()}  # kept: not views of a mapping
+        lazy: list[LazyRows] = []
+        rows = {name: (place, _lazy(t, weights, lazy)) for name, (place, t) in _row_tables(model).items()}
+        tables = row_lookups(model, lambda t: _array(t, weights), lambda t: _lazy(t, weights, lazy, True)) \
+            if layers else {}
+        made = {id(t.array) for t in lazy}
+        tables = {n: a if a.base is None or id(a) in made else a.copy()  # kept: not views of a mapping
+                  for n, a in tables.items()}
         weights |= _attach(model, tables)
         tables |= {name: array for name, (_, array) in rows.items()}  # read in place, by every session
     except Exception as e:  # a damaged or partial graph: opening it as stored says what is wrong, in one line
@@ -142,7 +149,16 @@ def rewritten(path: Path) -> Rewritten | None:
     from t5compress.runtime.firststep import cross_graph
 
     return Rewritten(path, model.SerializeToString(), weights, cross > 0, cross_graph(path), tables,
-                     _encoder(path, tables, weights, dict(rows.values())))
+                     _encoder(path, tables, weights, dict(rows.values()), lazy), Fills(lazy) if lazy else None)
+
+
+def _lazy(tensor, weights: dict, made: list, transposed: bool = False) -> np.ndarray:
+    """The (vocab, d) rows of a stored table (`transposed`: stored (d, vocab)), filled as ids are looked up
+    (`lazyrows.LazyRows`, appended to `made`)."""
+    where = _external(tensor)
+    mapping = weights.get(where.get("location")) if where else None
+    made.append(LazyRows(_array(tensor, weights), transposed, mapping, int(where.get("offset", 0))))
+    return made[-1].array
 
 
 def _weightless(path: Path, file: Path, mapped: dict | None = None):
@@ -156,23 +172,33 @@ def _weightless(path: Path, file: Path, mapped: dict | None = None):
                              for loc in _locations(model) - {WEIGHTS}}
 
 
-def _encoder(path: Path, tables: dict, mapped: dict, rows: dict) -> tuple | None:
+def _encoder(path: Path, tables: dict, mapped: dict, rows: dict, lazy: list) -> tuple | None:
     """(graph, weights, tables) of the dir's encoder, each of its embedding lookups gathering rows of the one of
-    `tables` that holds the same values (`row_lookups`) or, for a table stored by rows, the same stored bytes
-    (`rows`: their place in the dir's files -> the with-past step's array), or None where it has no such lookup or
-    one has no equal. `mapped`: the with-past graph's weights, whose mapped files it reuses."""
+    `tables` made from a stored table of the same values (`row_lookups`; `lazy`, the with-past step's
+    `lazyrows.LazyRows`) or, for a table stored by rows, the same stored bytes (`rows`: their place in the dir's
+    files -> the with-past step's array), its ids' scales from the one of `tables` of the same values; or None
+    where it has no such lookup or one has no equal. `mapped`: the with-past graph's weights, whose mapped files it
+    reuses."""
     file = path / f"{ENCODER}{ONNX_SUFFIX}"
     if not tables or not file.is_file():
         return None
+
+    def step_rows(tensor):  # the with-past step's rows of a stored table holding the same values
+        source = _array(tensor, weights)
+        return next((t.array for t in lazy if t.transposed and t.source.shape == source.shape
+                     and t.source.dtype == source.dtype and (t.source.ctypes.data == source.ctypes.data
+                                                             or np.array_equal(t.source, source))), None)
+
     try:
         model, weights = _weightless(path, file, mapped)
-        stored = {name: rows.get(place) for name, (place, _) in _row_tables(model, weights).items()}
-        own = row_lookups(model, lambda t: _array(t, weights))
+        stored = {name: rows.get(place) for name, (place, _) in _row_tables(model).items()}
+        own = row_lookups(model, lambda t: _array(t, weights), step_rows)
     except Exception as e:  # the encoder opens as stored, which names what is wrong
         log.info("shared cache: %s lookups not rewritten (%s): opened as stored", file, e)
         return None
-    same = {name: next((t for t in tables.values() if t.shape == a.shape and t.dtype == a.dtype
-                        and np.array_equal(t, a)), None) for name, a in own.items()}
+    same = {name: a if a is None or any(a is t for t in tables.values()) else
+            next((t for t in tables.values() if t.shape == a.shape and t.dtype == a.dtype and np.array_equal(t, a)),
+                 None) for name, a in own.items()}
     same |= {name: a for name, a in stored.items() if a is not None}
     if not same or any(t is None for t in same.values()):
         return None
@@ -242,13 +268,13 @@ def _attach(model, arrays: dict) -> dict:
 ROW_TABLE_BYTES = 1 << 20  # a stored lookup table this large is read in place and shared (`_row_tables`)
 
 
-def _row_tables(model, weights: dict) -> dict:
+def _row_tables(model) -> dict:
     """The stored tables the graph's lookups gather rows of (Gather on axis 0 of an initializer of at least
-    `ROW_TABLE_BYTES` in the dir's own files; an untied embedding), by name: (their place in the files, the array
-    over the mapped file, no copy). Given to the sessions in place (`add_initializer`), one mapping serves the
+    `ROW_TABLE_BYTES` in the dir's own files; an untied embedding), by name: (their place in the files, the
+    initializer). Given to the sessions as one array (`add_initializer`, filled as ids are looked up), it serves the
     encoder and the with-past step: opened apart, ONNX Runtime maps each graph's weights itself, and a lookup's
     pages fault in 64 KiB around each row read, so in time each session held the table (flan-t5-small int8: 32 MB
-    of the file resident after eleven batch-8 calls, 17 MB with one array)."""
+    of the file resident after eleven batch-8 calls, 17 MB with one mapped array)."""
     inits = {t.name: t for t in model.graph.initializer}
     found = {}
     for node in model.graph.node:
@@ -257,7 +283,7 @@ def _row_tables(model, weights: dict) -> dict:
         if t is not None and (_file_bytes(t) or 0) >= ROW_TABLE_BYTES and len(t.dims) == 2:
             where = _external(t)
             place = (where["location"], int(where.get("offset", 0)), int(where["length"]))
-            found[t.name] = (place, _array(t, weights))
+            found[t.name] = (place, t)
     return found
 
 
@@ -309,6 +335,7 @@ class SharedGraph:
         self.name, self.path = DECODER_WITH_PAST, done.path
         self.cross_per_input = done.cross_per_input  # fed one cross-attention cache and mask row per input
         self.pool = BufferPool()
+        self.fills = done.fills  # the lazy lookup tables: filled with a run's ids first
         self.session = done.session(options)
         extra = (PAST_LEN, BEAM_WIDTH, INDIRECTION)
         self.input_names = tuple(i.name for i in self.session.get_inputs() if i.name not in extra)
@@ -325,6 +352,8 @@ class SharedGraph:
             full[n][:, :, :length] = feeds[n]
         full[PAST_LEN], full[BEAM_WIDTH] = np.array([length], np.int32), np.array([1], np.int32)
         full[INDIRECTION] = np.zeros((rows, 1, length + 1), np.int32)
+        if self.fills is not None:
+            self.fills.fill(full["input_ids"])
         return dict(zip(self.output_names, self.session.run(None, full), strict=True))
 
 
@@ -382,6 +411,8 @@ class SharedCacheDecoder:
         if self.io is None:
             return self._first(tokens[:: self.beams])
         self.ids[:, 0] = tokens
+        if self.graph.fills is not None:
+            self.graph.fills.fill(tokens)
         self.session.run_with_iobinding(self.io)
         self.past_len += 1
         return self.logits[:, 0, :]
@@ -424,7 +455,10 @@ class SharedCacheDecoder:
         self.io = io
 
     def close(self) -> None:
-        """Give the cache buffers back for the next call (the runtime calls this when the search is done)."""
+        """Give the cache buffers back for the next call (the runtime calls this when the search is done), and unmap
+        the stored tables' pages this call's lookups read (`lazyrows`)."""
+        if self.graph.fills is not None:
+            self.graph.fills.drop()
         if self.io is not None:
             self.pool.give(self.owned)
             self.io, self.buffers, self.owned = None, {}, []

@@ -229,11 +229,12 @@ def per_input_cross(model) -> int:
     return len(plans)
 
 
-def row_lookups(model, value) -> dict:
+def row_lookups(model, value, rows_of=None) -> dict:
     """Make each embedding lookup that gathers columns of an int8 (d_model, vocab) table gather rows of a transposed
     copy instead (`model`, an onnx.ModelProto, changed in place); returns the new tables (numpy arrays) by name,
     which the caller adds to the model: they are large, and it decides where their bytes live. `value(tensor)`: an
-    initializer's array.
+    initializer's array; `rows_of(tensor)`: the (vocab, d_model) rows of a table's initializer (default: a copy of
+    its transpose; the runtime's are filled as ids are looked up, `runtime.lazyrows`).
 
     A tied table quantized with the LM head is stored once, in the LM head's (d_model, vocab) layout
     (`quantize.graphs.share_lm_head_table`), so a lookup reads one byte of each of d_model rows a vocabulary apart:
@@ -242,6 +243,7 @@ def row_lookups(model, value) -> dict:
     Mul by the ids' own scales -> per-tensor Q/DQ -> Transpose to (..., d_model)) becomes Gather on axis 0 -> the
     same nodes, the scales gathered as (..., 1) -> no Transpose; a lookup that differs is left as it is."""
     graph = _Graph(model.graph)
+    rows_of = rows_of or (lambda t: value(t).T.copy())
     added: dict = {}
     for gather in [n for n in model.graph.node if n.op_type == "Gather"]:
         plan = _column_lookup(graph, gather)
@@ -250,7 +252,7 @@ def row_lookups(model, value) -> dict:
         scales, transpose = plan
         rows = f"{gather.input[0]}/rows"
         if rows not in added:
-            added[rows] = value(graph.index.inits[gather.input[0]]).T.copy()
+            added[rows] = rows_of(graph.index.inits[gather.input[0]])
         gather.input[0] = rows
         del gather.attribute[:]
         gather.attribute.append(make_attribute("axis", 0))

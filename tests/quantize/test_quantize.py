@@ -72,7 +72,7 @@ def test_static_int8_stays_within_one_percent_of_fp32_and_shrinks(static_dir, sk
 
 
 def test_the_runtime_gathers_the_tied_int8_table_by_row(static_dir, skilled, monkeypatch):
-    """The runtime's with-past step (runtime.sharedkv) reads the shared table's rows from a transposed copy instead
+    """The runtime's with-past step (runtime.sharedkv) reads the shared table by rows (filled as looked up) instead
     of gathering its columns, and computes bit for bit what the column lookup did."""
     import t5compress.runtime.sharedkv as sharedkv
 
@@ -83,7 +83,7 @@ def test_the_runtime_gathers_the_tied_int8_table_by_row(static_dir, skilled, mon
     rows = {t.name: t.dims for t in graph.initializer if t.name.endswith("/rows")}
     assert list(rows.values()) == [[256, 128]]  # (vocab, d_model): the (d_model, vocab) table transposed
     by_row = load_runtime(static_dir, threads=1)
-    monkeypatch.setattr(sharedkv, "row_lookups", lambda model, value: {})
+    monkeypatch.setattr(sharedkv, "row_lookups", lambda model, value, rows_of=None: {})
     by_column = load_runtime(static_dir, threads=1)
     transposes = [Counter(n.op_type for n in onnx.load_from_string(m).graph.node)["Transpose"]
                   for m in (done.model, sharedkv.rewritten(static_dir).model)]

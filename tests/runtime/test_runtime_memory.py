@@ -53,10 +53,10 @@ def test_an_int8_dir_loads_and_runs_without_importing_onnx(int8):
 
 
 def test_every_weight_is_read_from_the_dirs_files(int8, monkeypatch):
-    """The row copy of the tied table, made at load, is declared in the graphs by the bytes of the column table it
-    was made from (each session reads the array itself), so ONNX Runtime maps every weight from the dir's files
-    instead of copying them out of in-memory files (a t5-base static int8 runtime peaked at 313.6 MB against 470.8
-    at load); the tokens are those of the runtime whose tables are in-memory files, as before."""
+    """The row table of the tied table (`lazyrows`, filled as ids are looked up) is declared in the graphs by the
+    bytes of the column table it is filled from (each session reads the array itself), so ONNX Runtime maps every
+    weight from the dir's files instead of copying them out of in-memory files (a t5-base static int8 runtime peaked
+    at 313.6 MB against 470.8 at load); the tokens are those of the runtime whose tables are in-memory files."""
     from t5compress.runtime.firststep import FOLDER
 
     def folder(session) -> str | None:
@@ -77,11 +77,11 @@ def test_every_weight_is_read_from_the_dirs_files(int8, monkeypatch):
                                       copied.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
 
 
-def test_an_untied_table_is_mapped_once_for_the_encoder_and_the_step(gated_export, monkeypatch):
-    """An untied embedding is stored by rows: the encoder's lookups and the with-past step's read one array over
-    the mapped file (`sharedkv._row_tables`), not a mapping each, which in time each held the whole table
-    (flan-t5-small after eleven batch-8 calls: 187.3 -> 172.0 MB resident int8, 445.1 -> 386.4 fp32); the tokens are
-    those of the graphs as stored."""
+def test_an_untied_table_is_one_array_for_the_encoder_and_the_step(gated_export, monkeypatch):
+    """An untied embedding is stored by rows: the encoder's lookups and the with-past step's read one array, filled
+    from the file as ids are looked up (`sharedkv._row_tables`, `lazyrows`), not a mapping each, which in time each
+    held the whole table (flan-t5-small after eleven batch-8 calls: 187.3 -> 172.0 MB resident int8, 445.1 -> 386.4
+    fp32, with one mapped array); the tokens are those of the graphs as stored."""
     monkeypatch.setattr(sharedkv, "ROW_TABLE_BYTES", 1)  # the test model's table is a few KB
     rt = load_runtime(gated_export, threads=1)
     encoder = rt.backend.encoder.session.t5compress_tables

@@ -1,0 +1,115 @@
+"""Lookup tables held by the rows looked up (`runtime.lazyrows`): the rows copied in are the stored table's, the
+others take no memory, and the stored table's pages the copies read are unmapped when the call is done."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+import pytest
+
+from t5compress.runtime import load_runtime, sharedkv
+from t5compress.runtime.lazyrows import LazyRows
+from tests.runtime.test_runtime import inputs
+from tests.runtime.test_runtime_memory import int8  # noqa: F401 (a fixture)
+
+VOCAB, D = 32128, 512  # t5-small's table: 16 MB at int8
+OFFSET = 3 * mmap.PAGESIZE + 13  # where the table starts in its file: not on a page
+
+
+def resident_pages(address: int, size: int) -> int:
+    """Pages of [address, address + size) in memory (`mincore`; of anonymous memory: those written)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = address - address % mmap.PAGESIZE
+    pages = -(-(address + size - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(start, pages * mmap.PAGESIZE, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def mapped_kb(address: int) -> int:
+    """Resident KB of this process's mapping that holds `address` (/proc/self/smaps' Rss)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A (D, VOCAB) int8 table in a file at OFFSET, mapped: the tied table's layout."""
+    file = tmp_path_factory.mktemp("lazyrows") / "weights.onnx_data"
+    table = np.random.default_rng(0).integers(-127, 128, (D, VOCAB), dtype=np.int8)
+    file.write_bytes(b"\x01" * OFFSET + table.tobytes() + b"\x02" * 100)
+    with open(file, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return table, mapping
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["by column", "by row"])
+def test_a_lazy_table_holds_the_rows_looked_up_and_no_more(stored, transposed):
+    table, mapping = stored
+    shape = (D, VOCAB) if transposed else (VOCAB, D)
+    source = np.frombuffer(mapping, np.int8, D * VOCAB, OFFSET).reshape(shape)
+    expected = table if transposed else table.reshape(VOCAB, D)  # the same bytes read as rows
+    lazy = LazyRows(source, transposed, mapping, OFFSET)
+    address = lazy.array.ctypes.data
+    assert lazy.array.shape == (VOCAB, D) and resident_pages(address, lazy.array.nbytes) == 0
+    ids = np.random.default_rng(1).integers(0, VOCAB, (8, 32))
+    lazy.fill(ids)
+    lazy.fill(ids[:2])  # nothing new
+    seen = np.unique(ids)
+    rows = expected.T[seen] if transposed else expected[seen]
+    np.testing.assert_array_equal(lazy.array[seen], rows)
+    assert np.flatnonzero(lazy.done).tolist() == seen.tolist()
+    # the 256 ids' rows, a page each at most (512 bytes a row): not the table's 3,922 pages
+    assert resident_pages(address, lazy.array.nbytes) <= seen.size
+    assert not lazy.array[np.setdiff1d(np.arange(VOCAB), seen)].any()  # the others read as zeros
+    assert mapped_kb(np.frombuffer(mapping, np.uint8).ctypes.data) > 0  # the fills read the stored table
+    lazy.drop()
+    assert mapped_kb(np.frombuffer(mapping, np.uint8).ctypes.data) == 0  # unmapped again (still in the page cache)
+
+
+def test_ids_out_of_range_are_left_to_the_lookup(stored):
+    table, mapping = stored
+    lazy = LazyRows(np.frombuffer(mapping, np.int8, D * VOCAB, OFFSET).reshape(D, VOCAB), True, mapping, OFFSET)
+    lazy.fill(np.array([3, VOCAB + 5]))
+    assert not lazy.done.any()  # nothing copied: the session's Gather says what is wrong
+    lazy.fill(np.array([-1]))  # ONNX Runtime's Gather reads negative ids from the end, as numpy does
+    np.testing.assert_array_equal(lazy.array[-1], table[:, -1])
+
+
+def test_the_runtime_fills_the_rows_of_the_ids_it_looks_up(int8, monkeypatch):  # noqa: F811
+    """The tied table's rows are those of the ids of the inputs and of the tokens the decoder was fed, and
+    every run that reads the table filled them first: the tokens are those of the runtime with the whole table
+    (the encoder and the first step included, which read the table before any step does)."""
+    rt = load_runtime(int8, threads=1)
+    fills = rt.backend.decoder_with_past.fills
+    assert rt.backend.encoder.fills is fills and [t.transposed for t in fills.tables] == [True]
+    (table,) = fills.tables
+    assert not table.done.any()  # none at load
+    ids, mask = inputs(5)
+    out = np.asarray(rt.generate(ids, mask, max_new_tokens=10))
+    fed = out[:, :-1]  # the decoder's start and every token generated but the last, which no step reads
+    assert set(np.flatnonzero(table.done)) == set(ids.ravel().tolist()) | set(fed.ravel().tolist())
+    fresh = [load_runtime(int8, threads=1) for _ in range(2)]  # no row filled yet
+
+    class Whole(LazyRows):  # every row filled at load: what the copy made at load held
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.fill(np.arange(self.done.size))
+
+    monkeypatch.setattr(sharedkv, "LazyRows", Whole)
+    whole = load_runtime(int8, threads=1)
+    assert whole.backend.decoder_with_past.fills.tables[0].done.all()
+    for lazy, gen in zip(fresh, ({}, {"num_beams": 3, "num_return_sequences": 2}), strict=True):
+        np.testing.assert_array_equal(lazy.generate(ids, mask, max_new_tokens=10, **gen),
+                                      whole.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
