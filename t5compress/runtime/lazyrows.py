@@ -29,7 +29,8 @@ class LazyRows:
         of, at byte `offset` (whose pages `drop` unmaps), or None."""
         self.source, self.transposed = source, transposed
         shape = source.shape[::-1] if transposed else source.shape
-        self.memory = mmap.mmap(-1, max(1, int(np.prod(shape)) * source.dtype.itemsize))
+        size = max(1, int(np.prod(shape)) * source.dtype.itemsize)
+        self.memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shared with a fork
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a row written must not fault in 2 MiB (huge pages set to always)
             self.memory.madvise(mmap.MADV_NOHUGEPAGE)
         self.array = np.frombuffer(self.memory, source.dtype, int(np.prod(shape))).reshape(shape)
