@@ -14,7 +14,8 @@ Both return how many layers they changed and leave the model as it was (0) unles
 export writes (`export.graphs` traced, `export.simplify` passed over, optionally quantized).
 
 `row_lookups`: an embedding lookup that gathers columns of a tied int8 table (stored once, in the LM head's
-(d_model, vocab) layout) gathers rows of a transposed copy made at load.
+(d_model, vocab) layout) gathers rows of a (vocab, d_model) table the caller makes (the runtime's: filled as ids
+are looked up, `runtime.lazyrows`).
 """
 
 from __future__ import annotations
