@@ -9,8 +9,8 @@ MB after a batch-8 call), while a call looks up a few hundred ids. `LazyRows` ho
 that no page of is touched until written (an anonymous mapping: the zero page until then), and `fill(ids)` copies
 the rows of ids not seen before from the stored table, which every run that reads the table calls first with its
 ids; `drop()` unmaps the stored table's pages the fills read (they stay in the page cache), which the runtime calls
-when a call is done. So the table costs a page per 4 KiB of rows ever looked up, and a call with no new id reads
-nothing from the file.
+when a call is done. So the table costs a page per 4 KiB of rows ever looked up (at most the whole table, what it
+cost before), and a call with no new id reads nothing from the file.
 """
 
 from __future__ import annotations
