@@ -270,21 +270,23 @@ ROW_TABLE_BYTES = 1 << 20  # a stored lookup table this large is read in place a
 
 def _row_tables(model) -> dict:
     """The stored tables the graph's lookups gather rows of (Gather on axis 0 of an initializer of at least
-    `ROW_TABLE_BYTES` in the dir's own files; an untied embedding), by name: (their place in the files, the
-    initializer). Given to the sessions as one array (`add_initializer`, filled as ids are looked up), it serves the
-    encoder and the with-past step: opened apart, ONNX Runtime maps each graph's weights itself, and a lookup's
-    pages fault in 64 KiB around each row read, so in time each session held the table (flan-t5-small int8: 32 MB
-    of the file resident after eleven batch-8 calls, 17 MB with one mapped array)."""
+    `ROW_TABLE_BYTES` in the dir's own files, that no other node reads: an untied embedding; a table a tied LM head
+    also reads must stay whole), by name: (their place in the files, the initializer). Given to the sessions as one
+    array (`add_initializer`, filled as ids are looked up), it serves the encoder and the with-past step: opened
+    apart, ONNX Runtime maps each graph's weights itself, and a lookup's pages fault in 64 KiB around each row read,
+    so in time each session held the table (flan-t5-small int8: 32 MB of the file resident after eleven batch-8
+    calls, 17 MB with one mapped array)."""
     inits = {t.name: t for t in model.graph.initializer}
-    found = {}
+    found, other = {}, set()
     for node in model.graph.node:
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         t = inits.get(node.input[0]) if node.op_type == "Gather" and axis == 0 and node.input else None
+        other |= set(node.input[1:] if t is not None else node.input)
         if t is not None and (_file_bytes(t) or 0) >= ROW_TABLE_BYTES and len(t.dims) == 2:
             where = _external(t)
             place = (where["location"], int(where.get("offset", 0)), int(where["length"]))
             found[t.name] = (place, t)
-    return found
+    return {name: v for name, v in found.items() if name not in other}  # a table the lookups alone read
 
 
 def _external(tensor) -> dict[str, str]:

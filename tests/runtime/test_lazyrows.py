@@ -29,18 +29,14 @@ def resident_pages(address: int, size: int) -> int:
     return sum(v & 1 for v in vec)
 
 
-def mapped_kb(address: int) -> int:
-    """Resident KB of this process's mapping that holds `address` (/proc/self/smaps' Rss)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+def mapped_pages(address: int, size: int) -> int:
+    """Pages of [address, address + size) mapped into this process (/proc/self/pagemap's present bit; of a file
+    mapping: those this process faulted in, not those in the page cache)."""
+    first, last = address // mmap.PAGESIZE, (address + size - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read((last - first + 1) * 8), np.uint64)
+    return int((entries >> np.uint64(63)).sum())
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +69,9 @@ def test_a_lazy_table_holds_the_rows_looked_up_and_no_more(stored, transposed):
     # the 256 ids' rows, a page each at most (512 bytes a row): not the table's 3,922 pages
     assert resident_pages(address, lazy.array.nbytes) <= seen.size
     assert not lazy.array[np.setdiff1d(np.arange(VOCAB), seen)].any()  # the others read as zeros
-    assert mapped_kb(np.frombuffer(mapping, np.uint8).ctypes.data) > 0  # the fills read the stored table
+    assert mapped_pages(source.ctypes.data, source.nbytes) > 0  # the fills read the stored table
     lazy.drop()
-    assert mapped_kb(np.frombuffer(mapping, np.uint8).ctypes.data) == 0  # unmapped again (still in the page cache)
+    assert mapped_pages(source.ctypes.data, source.nbytes) == 0  # unmapped again (still in the page cache)
 
 
 def test_ids_out_of_range_are_left_to_the_lookup(stored):
@@ -113,3 +109,22 @@ def test_the_runtime_fills_the_rows_of_the_ids_it_looks_up(int8, monkeypatch):  
     for lazy, gen in zip(fresh, ({}, {"num_beams": 3, "num_return_sequences": 2}), strict=True):
         np.testing.assert_array_equal(lazy.generate(ids, mask, max_new_tokens=10, **gen),
                                       whole.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
+
+
+def test_a_table_another_node_reads_is_not_filled_lazily():
+    """Only a table that lookups alone read is held by the rows looked up: a tied LM head reading the same
+    (vocab, d) initializer (a MatMul on its transpose, as another tool may export it) needs all of it."""
+    from onnx import TensorProto, helper
+
+    table = TensorProto(name="table", data_type=TensorProto.FLOAT, dims=[VOCAB, D])  # its bytes in the dir's file
+    table.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "weights.onnx_data"), ("offset", "0"), ("length", str(VOCAB * D * 4))):
+        entry = table.external_data.add()
+        entry.key, entry.value = key, value
+    lookup = helper.make_node("Gather", ["table", "ids"], ["embedded"], axis=0)
+    head = helper.make_node("Gemm", ["hidden", "table"], ["logits"], transB=1)
+    graph = helper.make_graph([lookup], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+                              [helper.make_tensor_value_info("embedded", TensorProto.FLOAT, [None, D])], [table])
+    assert list(sharedkv._row_tables(helper.make_model(graph))) == ["table"]
+    graph.node.append(head)
+    assert sharedkv._row_tables(helper.make_model(graph)) == {}
