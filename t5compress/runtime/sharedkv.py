@@ -280,7 +280,8 @@ def _row_tables(model) -> dict:
     found, other = {}, set()
     for node in model.graph.node:
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        t = inits.get(node.input[0]) if node.op_type == "Gather" and axis == 0 and node.input else None
+        lookup = node.op_type == "Gather" and axis == 0 and len(node.input) == 2 and node.input[1] not in inits
+        t = inits.get(node.input[0]) if lookup else None  # constant ids: ONNX Runtime may fold it at load
         other |= set(node.input[1:] if t is not None else node.input)
         if t is not None and (_file_bytes(t) or 0) >= ROW_TABLE_BYTES and len(t.dims) == 2:
             where = _external(t)
