@@ -29,11 +29,10 @@ class LazyRows:
         of, at byte `offset` (whose pages `drop` unmaps), or None."""
         self.source, self.transposed = source, transposed
         shape = source.shape[::-1] if transposed else source.shape
-        size = max(1, int(np.prod(shape)) * source.dtype.itemsize)
-        self.memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shared with a fork
+        self.memory = mmap.mmap(-1, max(1, source.nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # no fork's
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a row written must not fault in 2 MiB (huge pages set to always)
             self.memory.madvise(mmap.MADV_NOHUGEPAGE)
-        self.array = np.frombuffer(self.memory, source.dtype, int(np.prod(shape))).reshape(shape)
+        self.array = np.frombuffer(self.memory, source.dtype, source.size).reshape(shape)
         self.done = np.zeros(shape[0], bool)
         self.mapping, self.offset, self.read = mapping, offset, False
         self.lock = threading.Lock()

@@ -9,10 +9,8 @@ import mmap
 import numpy as np
 import pytest
 
-from t5compress.runtime import load_runtime, sharedkv
+from t5compress.runtime import sharedkv
 from t5compress.runtime.lazyrows import LazyRows
-from tests.runtime.test_runtime import inputs
-from tests.runtime.test_runtime_memory import int8  # noqa: F401 (a fixture)
 
 VOCAB, D = 32128, 512  # t5-small's table: 16 MB at int8
 OFFSET = 3 * mmap.PAGESIZE + 13  # where the table starts in its file: not on a page
@@ -81,34 +79,6 @@ def test_ids_out_of_range_are_left_to_the_lookup(stored):
     assert not lazy.done.any()  # nothing copied: the session's Gather says what is wrong
     lazy.fill(np.array([-1]))  # ONNX Runtime's Gather reads negative ids from the end, as numpy does
     np.testing.assert_array_equal(lazy.array[-1], table[:, -1])
-
-
-def test_the_runtime_fills_the_rows_of_the_ids_it_looks_up(int8, monkeypatch):  # noqa: F811
-    """The tied table's rows are those of the ids of the inputs and of the tokens the decoder was fed, and
-    every run that reads the table filled them first: the tokens are those of the runtime with the whole table
-    (the encoder and the first step included, which read the table before any step does)."""
-    rt = load_runtime(int8, threads=1)
-    fills = rt.backend.decoder_with_past.fills
-    assert rt.backend.encoder.fills is fills and [t.transposed for t in fills.tables] == [True]
-    (table,) = fills.tables
-    assert not table.done.any()  # none at load
-    ids, mask = inputs(5)
-    out = np.asarray(rt.generate(ids, mask, max_new_tokens=10))
-    fed = out[:, :-1]  # the decoder's start and every token generated but the last, which no step reads
-    assert set(np.flatnonzero(table.done)) == set(ids.ravel().tolist()) | set(fed.ravel().tolist())
-    fresh = [load_runtime(int8, threads=1) for _ in range(2)]  # no row filled yet
-
-    class Whole(LazyRows):  # every row filled at load: what the copy made at load held
-        def __init__(self, *args):
-            super().__init__(*args)
-            self.fill(np.arange(self.done.size))
-
-    monkeypatch.setattr(sharedkv, "LazyRows", Whole)
-    whole = load_runtime(int8, threads=1)
-    assert whole.backend.decoder_with_past.fills.tables[0].done.all()
-    for lazy, gen in zip(fresh, ({}, {"num_beams": 3, "num_return_sequences": 2}), strict=True):
-        np.testing.assert_array_equal(lazy.generate(ids, mask, max_new_tokens=10, **gen),
-                                      whole.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
 
 
 def test_a_table_another_node_reads_is_not_filled_lazily():

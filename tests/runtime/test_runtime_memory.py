@@ -1,5 +1,6 @@
-"""The runtime's resident memory: a tied int8 lookup table held once for the encoder and the with-past step (the
-C heap's trim and the huge pages only where memory is dense: `test_hugepages`)."""
+"""The runtime's resident memory: a tied int8 lookup table held once for the encoder and the with-past step, by the
+rows looked up (`runtime.lazyrows`; the mechanism alone: `test_lazyrows`; the C heap's trim and the huge pages only
+where memory is dense: `test_hugepages`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from t5compress.runtime import load_runtime, sharedkv
+from t5compress.runtime.lazyrows import LazyRows
 from t5compress.runtime.sessions import OnnxGraph
 from tests.runtime.test_runtime import assert_light_imports, build_model, export_with, inputs
 
@@ -94,3 +96,31 @@ def test_an_untied_table_is_one_array_for_the_encoder_and_the_step(gated_export,
     for gen in ({}, {"num_beams": 3, "num_return_sequences": 2}):
         np.testing.assert_array_equal(rt.generate(ids, mask, max_new_tokens=10, **gen),
                                       stored.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
+
+
+def test_the_runtime_fills_the_rows_of_the_ids_it_looks_up(int8, monkeypatch):
+    """The tied table's rows are those of the ids of the inputs and of the tokens the decoder was fed, and
+    every run that reads the table filled them first: the tokens are those of the runtime with the whole table
+    (the encoder and the first step included, which read the table before any step does)."""
+    rt = load_runtime(int8, threads=1)
+    fills = rt.backend.decoder_with_past.fills
+    assert rt.backend.encoder.fills is fills and [t.transposed for t in fills.tables] == [True]
+    (table,) = fills.tables
+    assert not table.done.any()  # none at load
+    ids, mask = inputs(5)
+    out = np.asarray(rt.generate(ids, mask, max_new_tokens=10))
+    fed = out[:, :-1]  # the decoder's start and every token generated but the last, which no step reads
+    assert set(np.flatnonzero(table.done)) == set(ids.ravel().tolist()) | set(fed.ravel().tolist())
+    fresh = [load_runtime(int8, threads=1) for _ in range(2)]  # no row filled yet
+
+    class Whole(LazyRows):  # every row filled at load: what the copy made at load held
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.fill(np.arange(self.done.size))
+
+    monkeypatch.setattr(sharedkv, "LazyRows", Whole)
+    whole = load_runtime(int8, threads=1)
+    assert whole.backend.decoder_with_past.fills.tables[0].done.all()
+    for lazy, gen in zip(fresh, ({}, {"num_beams": 3, "num_return_sequences": 2}), strict=True):
+        np.testing.assert_array_equal(lazy.generate(ids, mask, max_new_tokens=10, **gen),
+                                      whole.generate(ids, mask, max_new_tokens=10, **gen), err_msg=str(gen))
