@@ -7,9 +7,9 @@ t5compress runtime, CTranslate2 by its Translator, 1 thread), and /proc reports 
 issue's numbers are; it counts a file page mapped twice twice), proportional memory (Pss, from smaps_rollup) and
 the anonymous part after loading and after one batch-8 greedy call (32 tokens in, exactly 32 out), and VmRSS after a
 second such call (what a process that goes on serving holds); VmHWM is the peak.
-Speed: batch 1, greedy, 32 in / exactly 32 out, 1 thread, each runtime in its own worker process driven in turn
-(round after round, so load from other processes hits all alike), warm-up excluded, median and p90 per call of the
-wall time, median and minimum of the process's CPU time.
+Speed: batch 1, greedy (or `--batch`, `--beams`), 32 in / exactly 32 out, 1 thread, each runtime in its own worker
+process driven in turn (round after round, so load from other processes hits all alike), warm-up excluded, median
+and p90 per call of the wall time, median and minimum of the process's CPU time.
 `--code NAME=CHECKOUT` runs a dir with another checkout's package (a before/after of the code on one dir).
 
     PYTHONPATH=. .venv-bench/bin/python benchmarks/stored_once.py --checkpoint MODEL_DIR \\
@@ -60,17 +60,19 @@ def _engine(kind: str, path: str, threads: int):
 
         gen = load_ctranslate2(Path(path), threads, {"compute_type": "int8", "eos_token_id": 1})
         vocab = len(json.loads((Path(path) / "shared_vocabulary.json").read_text()))
-        return (lambda ids, mask: gen(ids, mask, TOKENS, TOKENS, 1)), vocab
+        return (lambda ids, mask, beams=1: gen(ids, mask, TOKENS, TOKENS, beams)), vocab
     from t5compress.runtime import load_runtime
 
     path, _, decoders = path.partition("#")  # DIR#merged: the merged decoder for every step
     rt = load_runtime(path, threads=threads, decoders=decoders or "auto")
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-    return (lambda ids, mask: rt.generate(ids, mask, max_new_tokens=TOKENS, min_new_tokens=TOKENS)), vocab
+    return (lambda ids, mask, beams=1: rt.generate(ids, mask, max_new_tokens=TOKENS, min_new_tokens=TOKENS,
+                                                   num_beams=beams)), vocab
 
 
 def worker(kind: str, path: str, threads: int, mode: str) -> None:
-    """Child process: `memory` prints one JSON line; `time` answers each 'N' line on stdin with N call times."""
+    """Child process: `memory` prints one JSON line; `time:BATCH:BEAMS` answers each 'N' line on stdin with N call
+    times."""
     base = _memory()
     gen, vocab = _engine(kind, path, threads)
     if mode == "memory":
@@ -80,14 +82,15 @@ def worker(kind: str, path: str, threads: int, mode: str) -> None:
         gen(*_inputs(8, vocab, seed=1))
         print(json.dumps({"start": base, "loaded": loaded, "after_b8": after, "after_b8x2": _memory()}), flush=True)
         return
-    ids, mask = _inputs(1, vocab)
-    gen(ids, mask)  # warm-up
+    _, batch, beams = mode.split(":")
+    ids, mask = _inputs(int(batch), vocab)
+    gen(ids, mask, int(beams))  # warm-up
     print("ready", flush=True)
     for line in sys.stdin:
         times = []
         for _ in range(int(line)):
             t, cpu = time.perf_counter(), time.process_time()
-            gen(ids, mask)
+            gen(ids, mask, int(beams))
             times.append((time.perf_counter() - t, time.process_time() - cpu))
         print(json.dumps(times), flush=True)
 
@@ -106,8 +109,8 @@ def memory(runs: dict, threads: int, codes: dict) -> dict:
     return out
 
 
-def timings(runs: dict, threads: int, codes: dict, rounds: int, calls: int) -> dict:
-    children = {n: _child(k, p, threads, "time", codes.get(n)) for n, (k, p) in runs.items()}
+def timings(runs: dict, threads: int, codes: dict, rounds: int, calls: int, batch: int = 1, beams: int = 1) -> dict:
+    children = {n: _child(k, p, threads, f"time:{batch}:{beams}", codes.get(n)) for n, (k, p) in runs.items()}
     for p in children.values():
         assert p.stdout.readline().strip() == "ready"
     times = {n: [] for n in children}
@@ -130,7 +133,7 @@ def timings(runs: dict, threads: int, codes: dict, rounds: int, calls: int) -> d
 
 def render(result: dict) -> str:
     st = result["safetensors_bytes"]
-    lines = ["# Each weight once: bytes, resident memory, batch-1 speed", "",
+    lines = ["# Each weight once: bytes, resident memory, speed", "",
              f"Source checkpoint `model.safetensors`: {st:,} bytes.", "",
              "| dir | bytes | vs safetensors | vs CTranslate2 int8 | RSS loaded MB | RSS after b8 MB "
              "| Pss after b8 MB | anon after b8 MB | peak MB | RSS after a 2nd b8 MB |",
@@ -144,7 +147,9 @@ def render(result: dict) -> str:
                      f"{after.get('VmRSS', '-')} | {after.get('Pss', '-')} | {after.get('RssAnon', '-')} | "
                      f"{after.get('VmHWM', '-')} | {again.get('VmRSS', '-')} |")
     if result.get("speed"):
-        lines += ["", f"Batch 1 greedy, {TOKENS} in / exactly {TOKENS} out, {result['threads']} thread(s), "
+        search = "greedy" if result.get("beams", 1) == 1 else f"beam {result['beams']}"
+        lines += ["", f"Batch {result.get('batch', 1)} {search}, {TOKENS} in / exactly {TOKENS} out, "
+                  f"{result['threads']} thread(s), "
                   "interleaved rounds (wall time, and the process's CPU time, which other jobs on the machine disturb "
                   "less):", "", "| dir | median ms | p90 ms | CPU median ms | CPU min ms | calls |",
                   "|---|---:|---:|---:|---:|---:|"]
@@ -164,6 +169,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="the timed calls' batch (memory is always batch 8)")
+    ap.add_argument("--beams", type=int, default=1, help="the timed calls' beams (1: greedy)")
     ap.add_argument("--speed", nargs="*", default=None, help="names timed (default: every dir and ct2)")
     ap.add_argument("--name", default="stored_once")
     args = ap.parse_args()
@@ -177,10 +184,12 @@ def main() -> None:
         runs["ct2"] = ("ct2", str(args.ct2))
     codes = dict(c.split("=", 1) for c in args.code)
     result = {"safetensors_bytes": (args.checkpoint / "model.safetensors").stat().st_size, "threads": args.threads,
+              "batch": args.batch, "beams": args.beams,
               "bytes": {n: dir_bytes(Path(p.partition("#")[0])) for n, (_, p) in runs.items()}, "codes": codes}
     result["memory"] = memory(runs, args.threads, codes)
     timed = {n: runs[n] for n in (args.speed if args.speed is not None else runs)}
-    result["speed"] = timings(timed, args.threads, codes, args.rounds, args.calls) if timed else {}
+    result["speed"] = (timings(timed, args.threads, codes, args.rounds, args.calls, args.batch, args.beams)
+                       if timed else {})
     write_result(ROOT / "results" / "current" / args.name, result, render(result))
     print(render(result))
 
