@@ -2,14 +2,16 @@
 for time and memory, not accuracy), with its wall time and peak resident memory.
 
     python benchmarks/scale.py                                  # t5-base shape: create, export, static int8 on 16
-                                                                # and 128 texts of 512 tokens, dynamic int8
+                                                                # and 128 texts of 512 tokens, dynamic, block-wise
+                                                                # and 4-bit (without data, GPTQ on 16 texts), ...
     python benchmarks/scale.py --shapes t5-small --texts 16 48  # a quick one
     python benchmarks/scale.py --rerender                       # the Markdown again from scale.json
     python benchmarks/scale.py --stages static --append         # redo some rows, keep the others
 
 Every stage is a separate `t5compress` process; its peak RSS is the kernel's (`wait4`'s ru_maxrss), its time the
-wall clock. Calibration texts are generated words, one byte a token under the byte-level tokenizer the shapes are
-built with (so a 512-character text is 512 tokens), longer than `--tokens` is cut by the model's limit.
+wall clock; a stage that writes a dir also gets the dir's bytes. Calibration texts are generated words, one byte a
+token under the byte-level tokenizer the shapes are built with (so a 512-character text is 512 tokens), longer than
+`--tokens` is cut by the model's limit.
 Writes benchmarks/results/current/scale/scale.{json,md}, stamped with commit, date, machine and the commands.
 """
 
@@ -119,24 +121,34 @@ def run(shape: str, work: Path, text_counts: list[int], tokens: int, stages: lis
     model, onnx = work / "model", work / "onnx"
     quantized = work / "dynamic"  # the int8 export generate, triton and bench use
 
-    def stage(name: str, argv: list[str], how: Callable = measure, **extra) -> None:
+    def stage(name: str, argv: list[str], how: Callable = measure, out: Path | None = None, **extra) -> None:
         print(f"[{shape}] {name} ...", flush=True)
         r = {"shape": shape, "stage": name, **extra, **how(argv, log)}
+        if out is not None and out.is_dir():  # what a stage that writes a dir wrote, in bytes
+            r["out_bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         print(f"[{shape}] {name}: {r['seconds']} s, peak {r['peak_rss_mb']} MB, rc {r['rc']}", flush=True)
         save(r)
 
     calib = texts(max(text_counts), tokens, work / "calib.txt")
     plans = {
         "create": lambda: stage("create", ["create", shape, str(model), "--tokenizer", "byte", "-o",
-                                           "vocab_size=32128", "--force"]),
-        "export": lambda: stage("export", ["export", str(model), str(onnx), "--force"]),
+                                           "vocab_size=32128", "--force"], out=model),
+        "export": lambda: stage("export", ["export", str(model), str(onnx), "--force"], out=onnx),
         "dynamic": lambda: stage("quantize --dynamic", ["quantize", str(onnx), str(quantized), "--dynamic",
-                                                        "--min-agreement", "0", "--force"]),
+                                                        "--min-agreement", "0", "--force"], out=quantized),
         "static": lambda: [stage("quantize --static", [
             "quantize", str(onnx), str(work / f"static{n}"), "--static", "--calib-data", str(calib), "--samples",
-            str(n), "--min-agreement", "0", "--force"], texts=n, tokens=tokens) for n in text_counts],
+            str(n), "--min-agreement", "0", "--force"], out=work / f"static{n}", texts=n, tokens=tokens)
+            for n in text_counts],
         "blockwise": lambda: stage("quantize --blockwise", ["quantize", str(onnx), str(work / "blockwise"),
-                                                            "--blockwise", "--min-agreement", "0", "--force"]),
+                                                            "--blockwise", "--min-agreement", "0", "--force"],
+                                   out=work / "blockwise"),
+        "bits4": lambda: stage("quantize --bits 4", ["quantize", str(onnx), str(work / "bits4"), "--bits", "4",
+                                                     "--min-agreement", "0", "--force"], out=work / "bits4"),
+        "bits4-gptq": lambda: stage("quantize --bits 4 --calib-data (GPTQ)", [
+            "quantize", str(onnx), str(work / "bits4_gptq"), "--bits", "4", "--calib-data", str(calib), "--samples",
+            str(min(text_counts)), "--min-agreement", "0", "--force"], out=work / "bits4_gptq",
+            texts=min(text_counts), tokens=tokens),
         "generate": lambda: [stage(f"generate b{b}", [
             "generate", str(quantized), "-i", str(texts(8, tokens, work / "inputs.txt")), "--batch-size", str(b),
             "--max-new-tokens", "64", "--min-new-tokens", "64"], texts=8, tokens=tokens) for b in (1, 8)],
@@ -178,7 +190,10 @@ def render(result: dict) -> str:
 
 
 def _also(row: dict) -> str:
-    """The serve row's extra measures: the request's seconds and the whole server's RSS after it."""
+    """A stage's dir in MB; the serve row's extra measures: the request's seconds and the whole server's RSS after
+    it."""
+    if "out_bytes" in row:
+        return f"writes {row['out_bytes'] / 1e6:,.1f} MB"
     if "request_s" not in row:
         return ""
     return f"request {row['request_s']} s; server tree {row['server_tree_rss_mb']} MiB after it"
@@ -189,8 +204,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["t5-base"])
     ap.add_argument("--texts", nargs="+", type=int, default=[16, 128], help="calibration texts of each static run")
     ap.add_argument("--tokens", type=int, default=512, help="tokens per calibration text")
-    ap.add_argument("--stages", nargs="+", default=["create", "export", "dynamic", "static", "blockwise", "generate",
-                                                    "triton", "serve", "bench", "prune"],
+    ap.add_argument("--stages", nargs="+", default=["create", "export", "dynamic", "static", "blockwise", "bits4",
+                                                    "bits4-gptq", "generate", "triton", "serve", "bench", "prune"],
                     help="run in this order")
     ap.add_argument("--work", type=Path, default=Path("runs/scale"))
     ap.add_argument("--out", type=Path, default=OUT)

@@ -1,7 +1,7 @@
-"""Thread scaling beside the peers (issue 43): p50 ms of one greedy call at 1 and 2 threads for our static int8
-export (and fp32, `--fp32`), CTranslate2 int8 and llama.cpp Q8_0 of the same checkpoint, and the 2-thread/1-thread
-speed-up. Before the first round and after each, the memory bandwidth one core gets and two get together (the host's
-other tenants share it; a batch-1 step streams tens of MB of weights).
+"""Thread scaling beside the peers (issue 43): p50 ms of one greedy call at 1 and 2 threads for our static int8 export
+(and 4-bit, `--int4`; fp32, `--fp32`), CTranslate2 int8 and llama.cpp Q8_0 (and Q4_0, `--llama4`) of the same
+checkpoint, and the 2-thread/1-thread speed-up. Before the first round and after each, the memory bandwidth one core
+gets and two get together (the host's other tenants share it; a batch-1 step streams tens of MB of weights).
 
 Each (engine, threads, batch) cell runs in a process of its own; the processes run in rounds, every cell once per
 round in the same order (1t ours, 2t ours, 1t CTranslate2, 2t CTranslate2, 1t llama.cpp, ...), so a drift in the
@@ -11,8 +11,9 @@ the last `</s>`) and exactly 32 out (min = max new tokens; llama.cpp: EOS ignore
 `--batches` beyond 1 for ours and CTranslate2 (the llama.cpp driver decodes one sequence).
 
 llama.cpp runs through `benchmarks/thread_peers_llama.cpp`, a small driver on llama.h (encode once, then one
-`llama_decode` per token, greedy argmax over the logits in C++); build it against llama.cpp (the copy vendored in the
-llama-cpp-python 0.3.16 sdist here) and convert the checkpoint with its `convert_hf_to_gguf.py --outtype q8_0`; see
+`llama_decode` per token, greedy argmax over the logits in C++); build it against llama.cpp (the copy vendored in
+the llama-cpp-python 0.3.16 sdist here) and convert the checkpoint with its `convert_hf_to_gguf.py --outtype q8_0`
+(Q4_0: `--outtype f16`, then its `llama-quantize F16.gguf Q4_0.gguf Q4_0`, built with `-DLLAMA_BUILD_TOOLS=ON`); see
 docs/benchmarks.md, "Threads: 1 vs 2 at batch 1 and 8 (issue 43)".
 
     PYTHONPATH=. .venv/bin/python benchmarks/thread_peers.py --ours t5-small=DIR --ct2 t5-small=CT2_DIR \
@@ -34,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-ENGINES = {"ours": "our static int8", "fp32": "our fp32", "ct2": "CTranslate2 int8", "llama": "llama.cpp Q8_0"}
+ENGINES = {"ours": "our static int8", "int4": "our 4-bit", "fp32": "our fp32", "ct2": "CTranslate2 int8",
+           "llama": "llama.cpp Q8_0", "llama4": "llama.cpp Q4_0"}
+LLAMA = ("llama", "llama4")  # GGUF files, run by the driver at batch 1
 BANDWIDTH_MB, BANDWIDTH_S = 256, 2.0  # the probe's array and how long each process reads it
 N_IN, N_OUT, WARMUP = 32, 32, 2
 
@@ -73,7 +76,7 @@ def ct2(path: str, threads: int, batch: int):
 
 def child(engine: str, path: str, threads: int, batch: int, calls: int, pause: float) -> dict:
     """The timed calls of one cell in this process: ms per call, load average, tokens out."""
-    call = {"ours": ours, "fp32": ours, "ct2": ct2}[engine](path, threads, batch)
+    call = {"ours": ours, "int4": ours, "fp32": ours, "ct2": ct2}[engine](path, threads, batch)
     ms, outs = [], set()
     for i in range(WARMUP + calls):
         time.sleep(pause)
@@ -87,7 +90,7 @@ def child(engine: str, path: str, threads: int, batch: int, calls: int, pause: f
 
 def run_cell(engine: str, path: str, threads: int, batch: int, args: argparse.Namespace) -> dict:
     load = os.getloadavg()[0]
-    if engine == "llama":
+    if engine in LLAMA:
         ids = ",".join(str(i) for i in input_rows(1)[0].tolist())
         cmd = [str(args.llama_driver), path, str(threads), ids, str(N_OUT), str(WARMUP), str(args.calls),
                str(round(args.pause * 1000))]
@@ -98,7 +101,7 @@ def run_cell(engine: str, path: str, threads: int, batch: int, args: argparse.Na
     if done.returncode != 0:
         raise SystemExit(f"error: {engine} {threads}t b{batch}: {done.stderr.strip().splitlines()[-1:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    if engine == "llama":
+    if engine in LLAMA:
         out = {"ms": out["ms"], "tokens_out": [len(out["tokens"])]}
     return {**out, "load": [round(load, 2), round(os.getloadavg()[0], 2)]}
 
@@ -136,7 +139,7 @@ def bandwidth() -> dict:
 def measure(models: list[dict], args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     cells = [{"model": m["name"], "engine": e, "batch": b, "threads": t, "path": m[e], "runs": []}
              for m in models for e in ENGINES if m.get(e)
-             for b in args.batches if b == 1 or e != "llama" for t in args.threads]
+             for b in args.batches if b == 1 or e not in LLAMA for t in args.threads]
     probes = [bandwidth()]
     for r in range(args.rounds):
         for c in cells:
@@ -200,9 +203,9 @@ def main() -> None:
         print(json.dumps(child(engine, path, int(threads), int(batch), int(calls), float(pause))))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for engine, what in (("ours", "our static int8 export dir"), ("fp32", "our fp32 export dir"),
-                         ("ct2", "CTranslate2 int8 dir"),
-                         ("llama", "llama.cpp Q8_0 GGUF file")):
+    for engine, what in (("ours", "our static int8 export dir"), ("int4", "our 4-bit export dir (--bits 4)"),
+                         ("fp32", "our fp32 export dir"), ("ct2", "CTranslate2 int8 dir"),
+                         ("llama", "llama.cpp Q8_0 GGUF file"), ("llama4", "llama.cpp Q4_0 GGUF file")):
         ap.add_argument(f"--{engine}", action="append", default=[], metavar="NAME=PATH", help=f"{what} of model NAME")
     ap.add_argument("--llama-driver", type=Path, help="the built thread_peers_llama.cpp driver")
     ap.add_argument("--peer-python", type=Path, default=Path(sys.executable), help="a Python with ctranslate2")
@@ -219,7 +222,7 @@ def main() -> None:
             name, _, path = spec.partition("=")
             models.setdefault(name, {"name": name})[engine] = path
     models = list(models.values())
-    if any(m.get("llama") for m in models) and not args.llama_driver:
+    if any(m.get(e) for m in models for e in LLAMA) and not args.llama_driver:
         raise SystemExit("error: --llama needs --llama-driver")
     rows, probes = measure(models, args)
     result = {"threads": args.threads, "batches": args.batches, "rounds": args.rounds, "calls": args.calls,
