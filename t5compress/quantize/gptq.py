@@ -15,19 +15,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from t5compress.names import DECODER, DECODER_WITH_PAST
+
 BLOCK = 128  # input channels rounded before the rest are updated at once (GPTQ's lazy batch update)
 DAMP = 0.01  # added to the Gram matrix's diagonal, as a share of its mean: keeps it invertible
 
 
 class Gram:
     """X^T X of the inputs of the MatMul nodes among `names`, summed over real runs (a calibration statistic, see
-    `calibrate.TapGraph`, like `smooth.ChannelMax`): one (in, in) float64 matrix per input, whatever the runs."""
+    `calibrate.TapGraph`, like `smooth.ChannelMax`): one (in, in) float32 matrix per input, whatever the runs, as
+    GPTQ's reference implementation keeps it (`_inverse_factor` inverts it in float64)."""
 
-    def __init__(self, model, names: list[str]):
-        """`model`: the graph's structure (`sources.Graph.model`; its weights are not read)."""
+    def __init__(self, model, names: list[str], shared: dict[str, np.ndarray] | None = None):
+        """`model`: the graph's structure (`sources.Graph.model`; its weights are not read). `shared`: the dict of
+        another graph's Gram to sum this one's runs into (`gram_meters`)."""
         self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names) and n.op_type == "MatMul"}
         self.tensors = list(dict.fromkeys(self.inputs.values()))
-        self.gram: dict[str, np.ndarray] = {}
+        self.gram: dict[str, np.ndarray] = {} if shared is None else shared
 
     def augment(self, model) -> list[str]:
         return self.tensors
@@ -35,16 +39,29 @@ class Gram:
     def __call__(self, feeds: dict[str, np.ndarray], values: dict[str, np.ndarray]) -> None:
         for name in self.tensors:
             x = values[name]
-            x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-            self.gram[name] = self.gram[name] + x.T @ x if name in self.gram else x.T @ x
+            x = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)
+            if name in self.gram:
+                self.gram[name] += x.T @ x
+            else:
+                self.gram[name] = x.T @ x
 
     def by_node(self) -> dict[str, np.ndarray]:
         return {node: self.gram[x] for node, x in self.inputs.items() if x in self.gram}
 
     def join(self, other: Gram) -> None:
         """One X^T X for each input both measured, the two graphs' runs summed (`sources.join_decoders`)."""
+        if self.gram is other.gram:  # summed into one dict as they ran (`gram_meters`)
+            return
         for x in set(self.gram) & set(other.gram):
             self.gram[x] = other.gram[x] = self.gram[x] + other.gram[x]
+
+
+def gram_meters(graphs: dict, nodes: dict[str, list[str]]) -> dict[str, Gram]:
+    """A `Gram` of `nodes[g]` for each graph g (`graphs[g]`: a `sources.Graph`). The two decoder graphs sum their runs
+    into one dict as they run, which is what `sources.join_decoders` makes of two afterwards: a layer both graphs
+    hold has one X^T X in memory, not one per graph (flan-t5-large: 2.3 GiB of Grams, 3.5 for one per graph)."""
+    shared: dict[str, np.ndarray] = {}
+    return {g: Gram(graphs[g].model, nodes[g], shared if g in (DECODER, DECODER_WITH_PAST) else None) for g in nodes}
 
 
 def round_graphs(graphs: dict, grams: dict[str, Gram], weight_max: int = 127,

@@ -205,7 +205,7 @@ class Blockwise(Method):
         return f"rounded by GPTQ on the calibration inputs (a scale per {report['block_size']} input channels)"
 
     def write(self, export, plans: dict, tokenwise: dict, held: list[str] | None) -> Written:
-        from t5compress.quantize.gptq import Gram
+        from t5compress.quantize.gptq import gram_meters
         from t5compress.quantize.graphs import matching
         from t5compress.quantize.methods import blockwise
         from t5compress.quantize.nbits import WEIGHT_MAX
@@ -216,7 +216,7 @@ class Blockwise(Method):
         wide = {g: frozenset(matching(list(plans[g].nodes), parts)) for g in plans}  # kept 8-bit
         rounded = {}
         if export.texts and plan.rounding == GPTQ:  # the linear layers' weights rounded by GPTQ, per block
-            grams = {g: Gram(graph.model, list(plans[g].nodes)) for g, graph in export.graphs.items()}
+            grams = gram_meters(export.graphs, {g: list(plans[g].nodes) for g in export.graphs})
             export.drive({g: [gram] for g, gram in grams.items()}, "calibrating")
             limits = {n: WEIGHT_MAX[8] for g in wide for n in wide[g]}
             rounded = gptq(export, grams, WEIGHT_MAX[plan.bits], plan.block_size, limits)

@@ -18,7 +18,7 @@ def write_static(export, plans: dict, tokenwise: dict, held: list[str] | None):
     from t5compress.progress import Reporter
     from t5compress.quantize import sensitivity as sens
     from t5compress.quantize.calibrate import Snapshot
-    from t5compress.quantize.gptq import Gram
+    from t5compress.quantize.gptq import gram_meters
     from t5compress.quantize.methods import StaticGraph
     from t5compress.quantize.pertoken import rewrite
     from t5compress.quantize.plan import Remedy
@@ -32,8 +32,8 @@ def write_static(export, plans: dict, tokenwise: dict, held: list[str] | None):
     probe = Snapshot(at=cfg.max_new_tokens // 2)  # a mid-generation with-past step, to time what kept groups cost
     if guided:
         stats[DECODER_WITH_PAST].append(probe)
-    grams = {g: Gram(graph.model, tokenwise[g]) for g, graph in export.graphs.items()
-             if plan.rounding == GPTQ and tokenwise[g]}
+    gptq_nodes = {g: tokenwise[g] for g in export.graphs if plan.rounding == GPTQ and tokenwise[g]}
+    grams = gram_meters(export.graphs, gptq_nodes)
     for g, gram in grams.items():
         stats[g].append(gram)
     feeds = export.drive(stats, "calibrating")

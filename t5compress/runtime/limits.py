@@ -132,17 +132,18 @@ STAGE_MEMORY.update({stage: (1.5 * 2**30, 4.5) for stage in ("prune", "recover")
 
 
 def gram_bytes(config: dict) -> int:
-    """GPTQ's X^T X (float64, d_in^2 for each distinct linear input), all held until a graph's pass ends, in the
-    encoder, decoder and decoder-with-past graphs: encoder blocks read d_model (q, k, v; wi), inner (o) and d_ff (wo);
-    decoder blocks also their cross-attention's (flan-t5-large: 7.1 GiB)."""
+    """GPTQ's X^T X (float32, d_in^2 for each distinct linear input), all held until a graph's pass ends, in the
+    encoder and the decoders (the two decoder graphs sum into one per input, `gptq.gram_meters`): encoder blocks read
+    d_model (q, k, v; wi), inner (o) and d_ff (wo); decoder blocks also their cross-attention's (flan-t5-large:
+    2.3 GiB)."""
     d, ff = int(config["d_model"]), int(config["d_ff"])
     inner = int(config["num_heads"]) * int(config["d_kv"])
     enc = int(config["num_layers"])
     dec = int(config.get("num_decoder_layers") or enc)
-    square = 8 * (d * d), 8 * (inner * inner), 8 * (ff * ff)
+    square = 4 * (d * d), 4 * (inner * inner), 4 * (ff * ff)
     encoder = enc * (2 * square[0] + square[1] + square[2])
     decoder = dec * (4 * square[0] + 2 * square[1] + square[2]) + square[0]  # + the LM head's input
-    return encoder + 2 * decoder
+    return encoder + decoder
 
 
 def activation_bytes(config: dict, batch: int, source: int, target: int) -> int:

@@ -525,6 +525,39 @@ def test_calibration_memory_does_not_grow_with_the_texts(method, gated_export, t
     assert f"64 of 64 calibration texts are longer than the model's {limit}-token input limit" in caplog.text
 
 
+def test_the_decoders_grams_are_summed_into_one_as_they_run(gated_export, tmp_path):
+    """`gptq.gram_meters`: the two decoder graphs sum their X^T X into one dict as calibration runs, which gives the
+    matrices of measuring each graph apart and joining them afterwards (`sources.join_decoders`), to float32
+    rounding, while the layers both graphs hold are in memory once, not once per graph, as they are measured."""
+    from t5compress.names import DECODER, DECODER_WITH_PAST
+    from t5compress.quantize.calibrate import drive
+    from t5compress.quantize.gptq import Gram, gram_meters
+    from t5compress.quantize.graphs import linear_nodes
+    from t5compress.quantize.sources import Graph, join_decoders
+
+    opened = {g: Graph(g, gated_export / f"{g}.onnx") for g in GRAPHS}
+    nodes = {g: linear_nodes(graph.model) for g, graph in opened.items()}
+    shared = gram_meters(opened, nodes)
+    apart = {g: Gram(graph.model, nodes[g]) for g, graph in opened.items()}
+    rng = np.random.default_rng(2)
+    texts = ["".join(rng.choice(list("abcdefgh "), 40)) for _ in range(8)]
+    drive(gated_export, opened, texts, {g: [shared[g], apart[g]] for g in GRAPHS}, batch_size=4, max_new_tokens=6,
+          work=tmp_path, threads=1)
+
+    def held(grams: dict) -> int:
+        return sum(a.nbytes for a in {id(a): a for m in grams.values() for a in m.gram.values()}.values())
+
+    both = set(apart[DECODER].gram) & set(apart[DECODER_WITH_PAST].gram)
+    assert both and held(shared) == held(apart) - sum(apart[DECODER].gram[x].nbytes for x in both)
+    join_decoders(apart)
+    join_decoders(shared)
+    for g in GRAPHS:
+        a, s = apart[g].by_node(), shared[g].by_node()
+        assert a and a.keys() == s.keys()
+        for n in a:
+            np.testing.assert_allclose(s[n], a[n], rtol=1e-5, atol=1e-6 * np.abs(a[n]).max())
+
+
 def test_static_stage_memory_does_not_grow_with_the_texts(gated_export, tmp_path):
     """The whole static stage (calibration, GPTQ statistics, the sensitivity probe, the check on fixed eval texts):
     the peak of numpy's allocations with 64 texts of the maximum length is within 10% of that with 16 (before, a probe
