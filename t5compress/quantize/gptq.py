@@ -26,12 +26,12 @@ class Gram:
     `calibrate.TapGraph`, like `smooth.ChannelMax`): one (in, in) float32 matrix per input, whatever the runs, as
     GPTQ's reference implementation keeps it (`_inverse_factor` inverts it in float64)."""
 
-    def __init__(self, model, names: list[str], shared: dict[str, np.ndarray] | None = None):
-        """`model`: the graph's structure (`sources.Graph.model`; its weights are not read). `shared`: the dict of
-        another graph's Gram to sum this one's runs into (`gram_meters`)."""
+    def __init__(self, model, names: list[str]):
+        """`model`: the graph's structure (`sources.Graph.model`; its weights are not read)."""
         self.inputs = {n.name: n.input[0] for n in model.graph.node if n.name in set(names) and n.op_type == "MatMul"}
         self.tensors = list(dict.fromkeys(self.inputs.values()))
-        self.gram: dict[str, np.ndarray] = {} if shared is None else shared
+        self.key = {x: x for x in self.tensors}  # where each input's X^T X is summed (`share`)
+        self.gram: dict[str, np.ndarray] = {}
 
     def augment(self, model) -> list[str]:
         return self.tensors
@@ -40,28 +40,45 @@ class Gram:
         for name in self.tensors:
             x = values[name]
             x = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)
-            if name in self.gram:
-                self.gram[name] += x.T @ x
+            key = self.key[name]
+            if key in self.gram:
+                self.gram[key] += x.T @ x
             else:
-                self.gram[name] = x.T @ x
+                self.gram[key] = x.T @ x
 
     def by_node(self) -> dict[str, np.ndarray]:
-        return {node: self.gram[x] for node, x in self.inputs.items() if x in self.gram}
+        return {node: self.gram[self.key[x]] for node, x in self.inputs.items() if self.key[x] in self.gram}
+
+    def share(self, other: Gram) -> None:
+        """Sum this graph's runs into `other`'s matrices from now on: for each layer both measure (the same node
+        name; the decoders name a layer's input apart, e.g. the cross-attention output's), the one of `other`'s input;
+        an input of this graph's alone gets its own ("past:" + name)."""
+        pairs = {(x, other.inputs[node]) for node, x in self.inputs.items() if node in other.inputs}
+        mine = [a for a, _ in pairs]
+        theirs = [b for _, b in pairs]
+        self.key = {x: f"past:{x}" for x in self.tensors}
+        for a, b in pairs:
+            if mine.count(a) == 1 and theirs.count(b) == 1:  # one input to one input: the same layers read it
+                self.key[a] = b
+        self.gram = other.gram
 
     def join(self, other: Gram) -> None:
         """One X^T X for each input both measured, the two graphs' runs summed (`sources.join_decoders`)."""
-        if self.gram is other.gram:  # summed into one dict as they ran (`gram_meters`)
+        if self.gram is other.gram:  # summed into one dict as they ran (`share`)
             return
         for x in set(self.gram) & set(other.gram):
             self.gram[x] = other.gram[x] = self.gram[x] + other.gram[x]
 
 
 def gram_meters(graphs: dict, nodes: dict[str, list[str]]) -> dict[str, Gram]:
-    """A `Gram` of `nodes[g]` for each graph g (`graphs[g]`: a `sources.Graph`). The two decoder graphs sum their runs
-    into one dict as they run, which is what `sources.join_decoders` makes of two afterwards: a layer both graphs
-    hold has one X^T X in memory, not one per graph (flan-t5-large: 2.3 GiB of Grams, 3.5 for one per graph)."""
-    shared: dict[str, np.ndarray] = {}
-    return {g: Gram(graphs[g].model, nodes[g], shared if g in (DECODER, DECODER_WITH_PAST) else None) for g in nodes}
+    """A `Gram` of `nodes[g]` for each graph g (`graphs[g]`: a `sources.Graph`). The with-past graph sums its runs
+    into the first decoder's matrices as they run (`Gram.share`), so a layer both hold has one X^T X, in memory
+    once, and its weights are rounded once and stored once (flan-t5-large: 2.3 GiB of Grams, 3.5 for one per
+    graph)."""
+    meters = {g: Gram(graphs[g].model, nodes[g]) for g in nodes}
+    if DECODER in meters and DECODER_WITH_PAST in meters:
+        meters[DECODER_WITH_PAST].share(meters[DECODER])
+    return meters
 
 
 def round_graphs(graphs: dict, grams: dict[str, Gram], weight_max: int = 127,
