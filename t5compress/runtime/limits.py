@@ -133,7 +133,7 @@ STAGE_MEMORY.update({stage: (1.5 * 2**30, 4.5) for stage in ("prune", "recover")
 
 def gram_bytes(config: dict) -> int:
     """GPTQ's X^T X (float32, d_in^2 for each distinct linear input), all held until a graph's pass ends, in the
-    encoder and the decoders (the two decoder graphs sum into one per input, `gptq.gram_meters`): encoder blocks read
+    encoder and the decoders (the two decoder graphs sum into one per layer, `gptq.gram_meters`): encoder blocks read
     d_model (q, k, v; wi), inner (o) and d_ff (wo); decoder blocks also their cross-attention's (flan-t5-large:
     2.3 GiB)."""
     d, ff = int(config["d_model"]), int(config["d_ff"])
