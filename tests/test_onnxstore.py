@@ -104,7 +104,7 @@ def test_a_gated_static_int8_smoothed_and_gptq_rounded_stores_each_decoder_weigh
     layer's statistics differed in their last bits between the two decoders (all positions at once against one step
     at a time), enough to round some int8 weights otherwise: a flan-t5-small shape's dir stored most decoder weights
     twice (1.50x CTranslate2's bytes; 1.03x with one statistic per layer). This tiny model rounds alike either way;
-    the next test shows the statistics are one."""
+    `_assert_stored_once` checks each named decoder weight is one place."""
     r = quantize(gated_export, QuantizeConfig(mode="static", calib_data=str(demo_jsonl), samples=16, min_agreement=0),
                  tmp_path / "int8", progress=False)
     assert r["plan"]["smooth_alpha"] > 0 and r["plan"]["rounding"] == "gptq" and r["plan"]["gated"]
@@ -112,33 +112,25 @@ def test_a_gated_static_int8_smoothed_and_gptq_rounded_stores_each_decoder_weigh
     first, past = (onnx.load(str(tmp_path / "int8" / f"{g}.onnx"), load_external_data=False).graph
                    for g in ("decoder_model", "decoder_with_past_model"))
     tokenwise = {t.name for t in past.initializer if t.name.endswith("per_token_w_int8")}
-    assert tokenwise and tokenwise <= {t.name for t in first.initializer}
-    # the decoders' per-token weights: one place in the weights file for both graphs
-    at = {g.name: {t.name: next(e.value for e in t.external_data if e.key == "offset") for t in g.initializer
-                   if t.name in tokenwise} for g in (first, past)}
-    assert at[first.name] == at[past.name]
+    assert tokenwise and tokenwise <= {t.name for t in first.initializer}  # each one place: `_assert_stored_once`
 
 
 def test_the_two_decoders_share_one_statistic_per_layer_they_both_hold():
-    from t5compress.quantize.gptq import Gram
+    """SmoothQuant's maxima, joined after the runs (GPTQ's X^T X are summed as they run:
+    `tests/quantize/test_quantize.py::test_the_decoders_grams_are_summed_into_one_as_they_run`)."""
     from t5compress.quantize.smooth import ChannelMax
     from t5compress.quantize.sources import join_decoders
 
     x, y = np.array([[1.0, -3.0], [2.0, 0.5]]), np.array([[-4.0, 1.0]])
-    grams, maxes = {}, {}
+    maxes = {}
     for g, only, rows in (("decoder_model", "cross", x), ("decoder_with_past_model", "self_only", y)):
-        grams[g], maxes[g] = Gram.__new__(Gram), ChannelMax([])
-        grams[g].gram = {"ln": rows.T @ rows, only: np.eye(2)}
+        maxes[g] = ChannelMax([])
         maxes[g].amax = {"ln": np.abs(rows).max(axis=0), only: np.ones(2)}
-    join_decoders(grams)
     join_decoders(maxes)
-    both = np.vstack([x, y])
-    for g in grams:
-        np.testing.assert_allclose(grams[g].gram["ln"], both.T @ both)  # summed over both graphs' runs
+    for g in maxes:
         np.testing.assert_array_equal(maxes[g].amax["ln"], [4.0, 3.0])  # the max over both
-    assert grams["decoder_model"].gram["ln"] is grams["decoder_with_past_model"].gram["ln"]  # held once
-    assert "self_only" not in grams["decoder_model"].gram and "cross" not in maxes["decoder_with_past_model"].amax
-    join_decoders({"decoder_model": grams["decoder_model"]})  # one decoder graph (a merged export): nothing to join
+    assert "cross" not in maxes["decoder_with_past_model"].amax
+    join_decoders({"decoder_model": maxes["decoder_model"]})  # one decoder graph (a merged export): nothing to join
 
 
 def test_sizes_are_told_against_the_source_checkpoint(tiny_export, tiny_model_dir, tmp_path):

@@ -13,6 +13,8 @@ too, GPTQ kept 95.9% / 73.6% against 95.2% / 72.1% rounded to nearest (docs/quan
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from t5compress.names import DECODER, DECODER_WITH_PAST
@@ -54,27 +56,17 @@ class Gram:
         name; the decoders name a layer's input apart, e.g. the cross-attention output's), the one of `other`'s input;
         an input of this graph's alone gets its own ("past:" + name)."""
         pairs = {(x, other.inputs[node]) for node, x in self.inputs.items() if node in other.inputs}
-        mine = [a for a, _ in pairs]
-        theirs = [b for _, b in pairs]
-        self.key = {x: f"past:{x}" for x in self.tensors}
-        for a, b in pairs:
-            if mine.count(a) == 1 and theirs.count(b) == 1:  # one input to one input: the same layers read it
-                self.key[a] = b
+        mine, theirs = Counter(a for a, _ in pairs), Counter(b for _, b in pairs)
+        one_to_one = {a: b for a, b in pairs if mine[a] == theirs[b] == 1}  # the same layers read the two inputs
+        self.key = {x: one_to_one.get(x, f"past:{x}") for x in self.tensors}
         self.gram = other.gram
-
-    def join(self, other: Gram) -> None:
-        """One X^T X for each input both measured, the two graphs' runs summed (`sources.join_decoders`)."""
-        if self.gram is other.gram:  # summed into one dict as they ran (`share`)
-            return
-        for x in set(self.gram) & set(other.gram):
-            self.gram[x] = other.gram[x] = self.gram[x] + other.gram[x]
 
 
 def gram_meters(graphs: dict, nodes: dict[str, list[str]]) -> dict[str, Gram]:
     """A `Gram` of `nodes[g]` for each graph g (`graphs[g]`: a `sources.Graph`). The with-past graph sums its runs
     into the first decoder's matrices as they run (`Gram.share`), so a layer both hold has one X^T X, in memory
-    once, and its weights are rounded once and stored once (flan-t5-large: 2.3 GiB of Grams, 3.5 for one per
-    graph)."""
+    once, and its weights are rounded once and stored once (flan-t5-large: 2.3 GiB of Grams by their shapes, 3.5
+    for one per graph). The decoders' other statistics are joined after their runs (`sources.join_decoders`)."""
     meters = {g: Gram(graphs[g].model, nodes[g]) for g in nodes}
     if DECODER in meters and DECODER_WITH_PAST in meters:
         meters[DECODER_WITH_PAST].share(meters[DECODER])
@@ -86,16 +78,13 @@ def round_graphs(graphs: dict, grams: dict[str, Gram], weight_max: int = 127,
     """{graph: {node name: (int8 weight, scales)}}: the weights of the nodes each graph's `Gram` measured, read from
     `graphs[graph]` (a `sources.Graph`) and rounded by GPTQ on that graph's inputs (`group`: see `gptq_int8`;
     `limits`: another `weight_max` for the nodes it names, e.g. those a 4-bit model keeps 8-bit). The two decoder
-    graphs' shared layers are rounded on both graphs' inputs together (`sources.join_decoders`), so their int8
+    graphs' shared layers are rounded on both graphs' inputs together (`gram_meters`), so their int8
     weights are byte-identical and stored once; each is rounded once (the same weight bytes on the same X^T X, the
     same limit: the first graph's result is reused)."""
     import hashlib
 
     from onnx import numpy_helper
 
-    from t5compress.quantize.sources import join_decoders
-
-    join_decoders(grams)
     rounded: dict[str, dict] = {}
     done: dict[tuple, tuple] = {}  # (weight's sha256, id of its X^T X, weight_max) -> (int8, scales, that X^T X)
     for g, gram in grams.items():

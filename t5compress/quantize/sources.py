@@ -268,11 +268,12 @@ def model_config(export_dir: Path) -> tuple[bool, bool]:
 
 
 def join_decoders(meters: dict) -> None:
-    """Give a layer both decoder graphs hold one calibration statistic, measured over both graphs' runs (`meters`:
-    by graph name, each with `join`, e.g. `smooth.ChannelMax`, `gptq.Gram`). The weights rewritten from it (smoothed,
-    GPTQ-rounded) are then byte-identical in the two graphs, so the dir stores them once (`onnxstore`). Measured per
-    graph, the statistics differed in their last bits (all positions at once against one step at a time) and some
-    weights rounded otherwise: a flan-t5-small shape's static int8 dir was 1.50x CTranslate2's bytes, 1.03x joined."""
+    """Give a layer both decoder graphs hold one calibration statistic, measured over both graphs' runs (`meters`: by
+    graph name, each with `join`, e.g. `smooth.ChannelMax`; GPTQ's X^T X is summed into one as the graphs run,
+    `gptq.gram_meters`). The weights rewritten from it (smoothed, GPTQ-rounded) are then byte-identical in the two
+    graphs, so the dir stores them once (`onnxstore`). Measured per graph, the statistics differed in their last
+    bits (all positions at once against one step at a time) and some weights rounded otherwise: a flan-t5-small
+    shape's static int8 dir was 1.50x CTranslate2's bytes, 1.03x joined."""
     first, past = meters.get(DECODER), meters.get(DECODER_WITH_PAST)
     if first is not None and past is not None:
         first.join(past)
