@@ -5,8 +5,8 @@ Sizes: the bytes of every file of each deployable dir (graphs, weights, config, 
 `model.safetensors` and CTranslate2's dir. Memory: each dir is opened in its own fresh process (ours by the
 t5compress runtime, CTranslate2 by its Translator, 1 thread), and /proc reports resident memory (VmRSS: what the
 issue's numbers are; it counts a file page mapped twice twice), proportional memory (Pss, from smaps_rollup) and
-the anonymous part after loading and after one batch-8 greedy call (32 tokens in, exactly 32 out), and VmRSS after a
-second such call (what a process that goes on serving holds); VmHWM is the peak.
+the anonymous part after loading and after one batch-8 greedy call (32 tokens in, exactly 32 out; `--tokens IN:OUT`
+for others), and VmRSS after a second such call (what a process that goes on serving holds); VmHWM is the peak.
 Speed: batch 1, greedy (or `--batch`, `--beams`), 32 in / exactly 32 out, 1 thread, each runtime in its own worker
 process driven in turn (round after round, so load from other processes hits all alike), warm-up excluded, median
 and p90 per call of the wall time, median and minimum of the process's CPU time.
@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
-TOKENS = 32
+# tokens in and exactly out: `--tokens IN:OUT` (default 32:32), handed to the worker processes in the environment
+TOKENS_IN, TOKENS = (int(x) for x in os.environ.get("STORED_ONCE_TOKENS", "32:32").split(":"))
 
 
 def dir_bytes(path: Path) -> int:
@@ -48,7 +49,7 @@ def _memory() -> dict:
 
 
 def _inputs(batch: int, vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    ids = np.random.default_rng(seed).integers(5, min(vocab, 30000), size=(batch, TOKENS))
+    ids = np.random.default_rng(seed).integers(5, min(vocab, 30000), size=(batch, TOKENS_IN))
     ids[:, -1] = 1
     return ids, np.ones_like(ids)
 
@@ -148,7 +149,7 @@ def render(result: dict) -> str:
                      f"{after.get('VmHWM', '-')} | {again.get('VmRSS', '-')} |")
     if result.get("speed"):
         search = "greedy" if result.get("beams", 1) == 1 else f"beam {result['beams']}"
-        lines += ["", f"Batch {result.get('batch', 1)} {search}, {TOKENS} in / exactly {TOKENS} out, "
+        lines += ["", f"Batch {result.get('batch', 1)} {search}, {TOKENS_IN} in / exactly {TOKENS} out, "
                   f"{result['threads']} thread(s), "
                   "interleaved rounds (wall time, and the process's CPU time, which other jobs on the machine disturb "
                   "less):", "", "| dir | median ms | p90 ms | CPU median ms | CPU min ms | calls |",
@@ -172,8 +173,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="the timed calls' batch (memory is always batch 8)")
     ap.add_argument("--beams", type=int, default=1, help="the timed calls' beams (1: greedy)")
     ap.add_argument("--speed", nargs="*", default=None, help="names timed (default: every dir and ct2)")
+    ap.add_argument("--tokens", default="32:32", help="IN:OUT tokens in and exactly out, every call (memory too)")
     ap.add_argument("--name", default="stored_once")
     args = ap.parse_args()
+    os.environ["STORED_ONCE_TOKENS"] = args.tokens  # read at import: by this process's renders and by the workers
+    global TOKENS_IN, TOKENS
+    TOKENS_IN, TOKENS = (int(x) for x in args.tokens.split(":"))
     if args.worker:
         kind, path, threads, mode = args.worker
         return worker(kind, path, int(threads), mode)
@@ -184,6 +189,7 @@ def main() -> None:
         runs["ct2"] = ("ct2", str(args.ct2))
     codes = dict(c.split("=", 1) for c in args.code)
     result = {"safetensors_bytes": (args.checkpoint / "model.safetensors").stat().st_size, "threads": args.threads,
+              "tokens_in": TOKENS_IN, "tokens_out": TOKENS,
               "batch": args.batch, "beams": args.beams,
               "bytes": {n: dir_bytes(Path(p.partition("#")[0])) for n, (_, p) in runs.items()}, "codes": codes}
     result["memory"] = memory(runs, args.threads, codes)

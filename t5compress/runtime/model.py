@@ -167,6 +167,13 @@ class Seq2SeqRuntime:
         mask = self._mask(input_ids, attention_mask)
         if self.graph_search is not None:
             return self.graph_search.generate(input_ids, mask, s, self.tokens)
+        try:
+            return self._search(input_ids, mask, s)
+        finally:  # the call's arrays are freed by now: what they and the once-per-call graphs freed goes back
+            if self.device == "cpu":  # (`sessions.session_options`)
+                hugepages.trim_heap()
+
+    def _search(self, input_ids: np.ndarray, mask: np.ndarray, s: GenerationSettings) -> np.ndarray:
         hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
         decoder = self.decoder_for(hidden, mask, s.num_beams, s.max_length)
         search = beam_search if s.num_beams > 1 else greedy_search

@@ -247,11 +247,16 @@ def one_pass() -> Iterator[None]:
 def session_options(threads: int, once_per_call: bool = False):
     """Sequential execution on `threads` intra-op threads (0: ONNX Runtime's default, one per physical core); with
     more than one, the workers spin while a run lasts only (`runtime.threads`). `once_per_call`: a graph run once per
-    generate call, not per step (see below). Inside `one_pass`, no arena."""
+    generate call, not per step: no arena (see below). Inside `one_pass`, no arena for any graph."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.enable_cpu_mem_arena = not _one_pass
+    # `once_per_call` (the encoder, the first step's cross-attention graph): no arena. An arena keeps a session's
+    # largest working set for good: the t5-base shape held 1,094 MB after one batch-8 call of 512 tokens, 356 MB with
+    # these graphs' buffers freed as each run ends and the C heap trimmed after the call (`Seq2SeqRuntime.generate`;
+    # CTranslate2 633); t5-small 12 MB more after a 32-token one. It costs the faults of a call's first touches:
+    # level at 32 tokens, more at 512 (docs/generate.md). The with-past step, run once per token, keeps its arena.
+    so.enable_cpu_mem_arena = not (_one_pass or once_per_call)
     so.intra_op_num_threads = max(threads, 0)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -262,12 +267,9 @@ def session_options(threads: int, once_per_call: bool = False):
     # Weights copied at load (from in-memory files, `runtime.sharedkv`) and freed once packed go back to the C heap,
     # which is trimmed; in the arena they stayed held (t5-small static int8: 4-6 MB more after load, 2 MB after b8).
     so.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
-    # `once_per_call` (the encoder, the first step's cross-attention graph): no memory pattern. ONNX Runtime plans one
-    # per set of input shapes and its block stayed in the arena beside what the first run of those shapes allocated
-    # (t5-small static int8: a second batch-8 call added 5 MB resident, none without). The with-past step, run once
-    # per token, keeps its pattern: with none anywhere, batch-1 greedy CPU time was the same in one paired run and 17%
-    # more in another (load 5-9 on 2 cores).
-    so.enable_mem_pattern = not once_per_call
+    # Every graph plans its buffers (a memory pattern per set of input shapes, ONNX Runtime's default): without an
+    # arena the pattern's one block per run faults 4x fewer pages than a buffer per node (t5-base, 512 tokens, b8:
+    # 266k against 1,050k a call, 5.8 against 7.3 s).
     so.log_severity_level = 3  # warnings about unused initializers etc. are noise for users of an export dir
     return so
 
