@@ -176,12 +176,12 @@ def main() -> None:
     ap.add_argument("--tokens", default="32:32", help="IN:OUT tokens in and exactly out, every call (memory too)")
     ap.add_argument("--name", default="stored_once")
     args = ap.parse_args()
-    os.environ["STORED_ONCE_TOKENS"] = args.tokens  # read at import: by this process's renders and by the workers
-    global TOKENS_IN, TOKENS
-    TOKENS_IN, TOKENS = (int(x) for x in args.tokens.split(":"))
-    if args.worker:
+    if args.worker:  # its tokens come from the environment
         kind, path, threads, mode = args.worker
         return worker(kind, path, int(threads), mode)
+    os.environ["STORED_ONCE_TOKENS"] = args.tokens  # read at import by the workers
+    global TOKENS_IN, TOKENS
+    TOKENS_IN, TOKENS = (int(x) for x in args.tokens.split(":"))
     from t5compress.bench.stamp import write_result
 
     runs = {n: ("ours", p) for n, p in (d.split("=", 1) for d in args.dir)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from t5compress.errors import ModelError, first_line
+from t5compress.errors import ConfigError, ModelError, first_line
 from t5compress.names import (
     DECODER,
     DECODER_MERGED,
@@ -244,6 +245,19 @@ def one_pass() -> Iterator[None]:
         _one_pass = before
 
 
+WORKING_MEMORY = "T5COMPRESS_WORKING_MEMORY"
+
+
+def keeps_working_memory() -> bool:
+    """T5COMPRESS_WORKING_MEMORY=keep: the graphs run once per call keep an arena (their largest working set, for
+    good) and the heap is not trimmed after a call, for the faults a call then saves (2-5% of its time, more at long
+    inputs); `release` (the default) gives that memory back after every call (`session_options`)."""
+    value = os.environ.get(WORKING_MEMORY, "release")
+    if value not in ("keep", "release"):
+        raise ConfigError(f"{WORKING_MEMORY}={value!r}: use 'release' (the default) or 'keep'")
+    return value == "keep"
+
+
 def session_options(threads: int, once_per_call: bool = False):
     """Sequential execution on `threads` intra-op threads (0: ONNX Runtime's default, one per physical core); with
     more than one, the workers spin while a run lasts only (`runtime.threads`). `once_per_call`: a graph run once per
@@ -256,7 +270,8 @@ def session_options(threads: int, once_per_call: bool = False):
     # these graphs' buffers freed as each run ends and the C heap trimmed after the call (`Seq2SeqRuntime.generate`;
     # CTranslate2 633); t5-small 12 MB more after a 32-token one. It costs the faults of a call's first touches:
     # level at 32 tokens, more at 512 (docs/generate.md). The with-past step, run once per token, keeps its arena.
-    so.enable_cpu_mem_arena = not (_one_pass or once_per_call)
+    keep = once_per_call and keeps_working_memory()
+    so.enable_cpu_mem_arena = not _one_pass and (keep or not once_per_call)
     so.intra_op_num_threads = max(threads, 0)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -267,9 +282,11 @@ def session_options(threads: int, once_per_call: bool = False):
     # Weights copied at load (from in-memory files, `runtime.sharedkv`) and freed once packed go back to the C heap,
     # which is trimmed; in the arena they stayed held (t5-small static int8: 4-6 MB more after load, 2 MB after b8).
     so.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
-    # Every graph plans its buffers (a memory pattern per set of input shapes, ONNX Runtime's default): without an
-    # arena the pattern's one block per run faults 4x fewer pages than a buffer per node (t5-base, 512 tokens, b8:
-    # 266k against 1,050k a call, 5.8 against 7.3 s).
+    # Without an arena, a graph's planned buffers (a memory pattern per set of input shapes, ONNX Runtime's default)
+    # fault 4x fewer pages than a buffer per node (t5-base, 512 tokens, b8: 266k against 1,050k a call, 5.8 against
+    # 7.3 s). With one, `keep`: no pattern for the once-per-call graphs, whose block stayed in the arena beside what
+    # the first run of those shapes allocated (t5-small static int8: a second batch-8 call added 5 MB, none without).
+    so.enable_mem_pattern = not keep
     so.log_severity_level = 3  # warnings about unused initializers etc. are noise for users of an export dir
     return so
 

@@ -131,16 +131,28 @@ def _rss_mb(field: str = "VmRSS") -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads Linux's /proc")
-def test_a_long_call_gives_its_working_memory_back(tiny_export):
+def test_a_long_call_gives_its_working_memory_back(tiny_export, monkeypatch):
     """The graphs run once per call (the encoder, the first step) keep no arena and the C heap is trimmed after the
     call (`sessions.session_options`): a batch of 8 x 512 tokens, whose attention scores alone are 33.5 MB a tensor
-    on this model, leaves the process at most 12 MB larger (with ONNX Runtime's arena on those graphs, 100+ MB)."""
-    rt = load_runtime(tiny_export, threads=1)
+    on this model, leaves the process at most 12 MB larger; T5COMPRESS_WORKING_MEMORY=keep keeps it (ONNX Runtime's
+    arenas: 60 MB or more here), and any other value is refused."""
+    from t5compress.errors import ConfigError
+    from t5compress.runtime.sessions import WORKING_MEMORY
+
     ids = np.random.default_rng(0).integers(3, 200, size=(8, 512))
-    rt.generate(ids[:, :8], max_new_tokens=2)  # a short call first: what any call keeps
-    before = _rss_mb()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
-    rt.generate(ids, max_new_tokens=2)
-    peak, after = _rss_mb("VmHWM"), _rss_mb()
-    assert peak - before > 60, (before, peak)  # the call did need its working memory
-    assert after - before < 12, (before, peak, after)
+    grown = {}
+    for mode in ("release", "keep"):
+        monkeypatch.setenv(WORKING_MEMORY, mode)
+        rt = load_runtime(tiny_export, threads=1)
+        rt.generate(ids[:, :8], max_new_tokens=2)  # a short call first: what any call keeps
+        before = _rss_mb()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+        rt.generate(ids, max_new_tokens=2)
+        peak, after = _rss_mb("VmHWM"), _rss_mb()
+        assert peak - before > 60, (mode, before, peak)  # the call did need its working memory
+        grown[mode] = after - before
+        del rt
+    assert grown["release"] < 12 and grown["keep"] > 60, grown
+    monkeypatch.setenv(WORKING_MEMORY, "lean")
+    with pytest.raises(ConfigError, match="T5COMPRESS_WORKING_MEMORY='lean'"):
+        load_runtime(tiny_export, threads=1)
