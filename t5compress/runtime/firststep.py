@@ -58,9 +58,10 @@ class FirstStep:
     cross-attention graph and `past`, a with-past graph that runs steps of the stored layout (`SharedGraph.run`)."""
 
     def __init__(self, path: Path, cut: tuple[bytes, tuple[str, ...], tuple[str, ...]], past, options,
-                 stored: Callable):
+                 stored: Callable, releasing: Callable):
         """`options`: the ONNX Runtime session options of the cross-attention graph; `stored()` opens the dir's
-        decoder_model as stored (a `sessions.OnnxGraph`)."""
+        decoder_model as stored (a `sessions.OnnxGraph`); `releasing(session)`: the run options of a graph run once
+        per call (`sessions.releasing`)."""
         import onnxruntime as ort
 
         model, self.input_names, self.output_names = cut
@@ -69,6 +70,10 @@ class FirstStep:
         self.cross = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         self.cross_names = tuple(o.name for o in self.cross.get_outputs())
         self._stored = None
+        self._release = releasing(self.cross)
+        # (heads, d_kv, dtype) of each output, (rows, heads, encoder length, d_kv) once bound
+        self._shapes = [(o.shape[1], o.shape[3], np.float16 if o.type == "tensor(float16)" else np.float32)
+                        for o in self.cross.get_outputs()]
 
     @property
     def stored(self):
@@ -81,10 +86,25 @@ class FirstStep:
         ids = feeds["input_ids"]  # (rows, tokens)
         if ids.shape[1] != 1:  # teacher forcing over a whole sequence: the with-past graph takes one token
             return self.stored.run(feeds)
-        cross = dict(zip(self.cross_names, self.cross.run(None, {HIDDEN: feeds[HIDDEN]}), strict=True))
+        cross = dict(zip(self.cross_names, self._cross(feeds[HIDDEN]), strict=True))
         step = {"input_ids": ids, "encoder_attention_mask": feeds["encoder_attention_mask"]}
         for name, (heads, d_kv) in self.past.past.items():  # an empty self-attention cache
             step[name] = np.zeros((ids.shape[0], heads, 0, d_kv), np.float32)
         step.update({n.replace("present.", "past_key_values.", 1): v for n, v in cross.items()})
         out = {**self.past.run(step), **cross}
         return {n: out[n] for n in self.output_names}
+
+    def _cross(self, hidden: np.ndarray) -> list[np.ndarray]:
+        """The cross-attention cache of `hidden`: with an arena (`sessions.releasing`), into arrays of the caller's,
+        so that the arena's regions are all free as the run ends and go back (outputs of its own would hold theirs
+        for the whole call, and until the next call ends)."""
+        if self._release is None:
+            return self.cross.run(None, {HIDDEN: hidden})
+        rows, length = hidden.shape[:2]
+        arrays = [np.empty((rows, heads, length, d_kv), dtype) for heads, d_kv, dtype in self._shapes]
+        io = self.cross.io_binding()
+        io.bind_cpu_input(HIDDEN, np.ascontiguousarray(hidden))
+        for name, a in zip(self.cross_names, arrays, strict=True):
+            io.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        self.cross.run_with_iobinding(io, self._release)
+        return arrays

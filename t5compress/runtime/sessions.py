@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from t5compress.errors import ConfigError, ModelError, first_line
+from t5compress.errors import ModelError, first_line
 from t5compress.names import (
     DECODER,
     DECODER_MERGED,
@@ -178,11 +177,13 @@ class OnnxGraph:
         self.session = session or onnx_session(path, session_options(threads, once_per_call), providers)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
+        self.run_options = releasing(self.session) if once_per_call else None
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fills is not None:
             self.fills.fill(feeds["input_ids"])
-        values = self.session.run(None, dict(zip(self.input_names, _feeds_for(self, feeds), strict=True)))
+        values = self.session.run(None, dict(zip(self.input_names, _feeds_for(self, feeds), strict=True)),
+                                  self.run_options)
         return dict(zip(self.output_names, values, strict=True))
 
 
@@ -245,33 +246,35 @@ def one_pass() -> Iterator[None]:
         _one_pass = before
 
 
-WORKING_MEMORY = "T5COMPRESS_WORKING_MEMORY"
+def releasing(session):
+    """For a CPU session with an arena: run options that hand the arena's free regions back as each run ends
+    (`memory.enable_memory_arena_shrinkage`), else None. The graphs run once per call (the encoder, the first step's
+    cross-attention graph) run with them and their outputs in memory of the caller's where they can
+    (`firststep.FirstStep`): an arena keeps a session's largest working set for good (a t5-base shape held 1,094 MB
+    after a batch-8 call of 512 tokens; t5-small 12 MB more after a 32-token one), while inside a run it hands
+    each node its buffers without a page fault. The with-past step, run once per token, keeps its arena."""
+    if not session.get_session_options().enable_cpu_mem_arena or session.get_providers() != ["CPUExecutionProvider"]:
+        return None
+    global _RELEASING
+    if _RELEASING is None:
+        import onnxruntime as ort
+
+        _RELEASING = ort.RunOptions()
+        _RELEASING.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return _RELEASING
 
 
-def keeps_working_memory() -> bool:
-    """T5COMPRESS_WORKING_MEMORY=keep: the graphs run once per call keep an arena (their largest working set, for
-    good) and the heap is not trimmed after a call, for the faults a call then saves (2-5% of its time, more at long
-    inputs); `release` (the default) gives that memory back after every call (`session_options`)."""
-    value = os.environ.get(WORKING_MEMORY, "release")
-    if value not in ("keep", "release"):
-        raise ConfigError(f"{WORKING_MEMORY}={value!r}: use 'release' (the default) or 'keep'")
-    return value == "keep"
+_RELEASING = None
 
 
 def session_options(threads: int, once_per_call: bool = False):
     """Sequential execution on `threads` intra-op threads (0: ONNX Runtime's default, one per physical core); with
     more than one, the workers spin while a run lasts only (`runtime.threads`). `once_per_call`: a graph run once per
-    generate call, not per step: no arena (see below). Inside `one_pass`, no arena for any graph."""
+    generate call, not per step (see below; and `releasing`). Inside `one_pass`, no arena."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    # `once_per_call` (the encoder, the first step's cross-attention graph): no arena. An arena keeps a session's
-    # largest working set for good: the t5-base shape held 1,094 MB after one batch-8 call of 512 tokens, 356 MB with
-    # these graphs' buffers freed as each run ends and the C heap trimmed after the call (`Seq2SeqRuntime.generate`;
-    # CTranslate2 633); t5-small 12 MB more after a 32-token one. It costs the faults of a call's first touches:
-    # level at 32 tokens, more at 512 (docs/generate.md). The with-past step, run once per token, keeps its arena.
-    keep = once_per_call and keeps_working_memory()
-    so.enable_cpu_mem_arena = not _one_pass and (keep or not once_per_call)
+    so.enable_cpu_mem_arena = not _one_pass
     so.intra_op_num_threads = max(threads, 0)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -282,11 +285,12 @@ def session_options(threads: int, once_per_call: bool = False):
     # Weights copied at load (from in-memory files, `runtime.sharedkv`) and freed once packed go back to the C heap,
     # which is trimmed; in the arena they stayed held (t5-small static int8: 4-6 MB more after load, 2 MB after b8).
     so.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
-    # Without an arena, a graph's planned buffers (a memory pattern per set of input shapes, ONNX Runtime's default)
-    # fault 4x fewer pages than a buffer per node (t5-base, 512 tokens, b8: 266k against 1,050k a call, 5.8 against
-    # 7.3 s). With one, `keep`: no pattern for the once-per-call graphs, whose block stayed in the arena beside what
-    # the first run of those shapes allocated (t5-small static int8: a second batch-8 call added 5 MB, none without).
-    so.enable_mem_pattern = not keep
+    # `once_per_call` (the encoder, the first step's cross-attention graph): no memory pattern. ONNX Runtime plans one
+    # per set of input shapes and its block stayed in the arena beside what the first run of those shapes allocated
+    # (t5-small static int8: a second batch-8 call added 5 MB resident, none without). The with-past step, run once
+    # per token, keeps its pattern: with none anywhere, batch-1 greedy CPU time was the same in one paired run and 17%
+    # more in another (load 5-9 on 2 cores).
+    so.enable_mem_pattern = not once_per_call
     so.log_severity_level = 3  # warnings about unused initializers etc. are noise for users of an export dir
     return so
 
@@ -380,11 +384,13 @@ def open_onnx(
         past = SharedGraph(shared_cache, session_options(threads))
         lookups = shared_cache.encoder_session(session_options(threads, True))  # one copy of the tied lookup table
         if lookups is not None:
-            encoder = OnnxGraph(path / f"{ENCODER}{ONNX_SUFFIX}", threads, session=lookups, fills=shared_cache.fills)
+            encoder = OnnxGraph(path / f"{ENCODER}{ONNX_SUFFIX}", threads, session=lookups, once_per_call=True,
+                                fills=shared_cache.fills)
         if shared_cache.first is not None:  # the first step on the with-past graph: decoder weights in memory once
             from t5compress.runtime.firststep import FirstStep
 
-            first = FirstStep(path, shared_cache.first, past, session_options(threads, True), lambda: graph(DECODER))
+            first = FirstStep(path, shared_cache.first, past, session_options(threads, True), lambda: graph(DECODER),
+                              releasing)
     return Backend("onnx", encoder or graph(ENCODER), first or graph(DECODER), past or graph(DECODER_WITH_PAST))
 
 
