@@ -96,8 +96,11 @@ def worker(kind: str, path: str, threads: int, mode: str) -> None:
         print(json.dumps(times), flush=True)
 
 
-def _child(kind: str, path: str, threads: int, mode: str, code: str | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=code or os.environ.get("PYTHONPATH", ""))
+ENVS: dict[str, dict[str, str]] = {}  # run name -> environment variables of its workers (`--env`)
+
+
+def _child(kind: str, path: str, threads: int, mode: str, code: str | None, name: str = "") -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=code or os.environ.get("PYTHONPATH", ""), **ENVS.get(name, {}))
     return subprocess.Popen([sys.executable, __file__, "--worker", kind, path, str(threads), mode], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -105,13 +108,13 @@ def _child(kind: str, path: str, threads: int, mode: str, code: str | None) -> s
 def memory(runs: dict, threads: int, codes: dict) -> dict:
     out = {}
     for name, (kind, path) in runs.items():
-        p = _child(kind, path, threads, "memory", codes.get(name))
+        p = _child(kind, path, threads, "memory", codes.get(name), name)
         out[name] = json.loads(p.communicate()[0].strip().splitlines()[-1])
     return out
 
 
 def timings(runs: dict, threads: int, codes: dict, rounds: int, calls: int, batch: int = 1, beams: int = 1) -> dict:
-    children = {n: _child(k, p, threads, f"time:{batch}:{beams}", codes.get(n)) for n, (k, p) in runs.items()}
+    children = {n: _child(k, p, threads, f"time:{batch}:{beams}", codes.get(n), n) for n, (k, p) in runs.items()}
     for p in children.values():
         assert p.stdout.readline().strip() == "ready"
     times = {n: [] for n in children}
@@ -167,6 +170,8 @@ def main() -> None:
                     "with the merged decoder)")
     ap.add_argument("--ct2", type=Path, help="a CTranslate2 int8 dir of the same checkpoint")
     ap.add_argument("--code", action="append", default=[], help="NAME=CHECKOUT: run that dir with this package")
+    ap.add_argument("--env", action="append", default=[], help="NAME=KEY=VALUE: that run's workers get KEY=VALUE "
+                    "(e.g. T5COMPRESS_WORKING_MEMORY=release)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--calls", type=int, default=3)
@@ -188,10 +193,14 @@ def main() -> None:
     if args.ct2:
         runs["ct2"] = ("ct2", str(args.ct2))
     codes = dict(c.split("=", 1) for c in args.code)
+    for e in args.env:
+        name, key, value = e.split("=", 2)
+        ENVS.setdefault(name, {})[key] = value
     result = {"safetensors_bytes": (args.checkpoint / "model.safetensors").stat().st_size, "threads": args.threads,
               "tokens_in": TOKENS_IN, "tokens_out": TOKENS,
               "batch": args.batch, "beams": args.beams,
-              "bytes": {n: dir_bytes(Path(p.partition("#")[0])) for n, (_, p) in runs.items()}, "codes": codes}
+              "bytes": {n: dir_bytes(Path(p.partition("#")[0])) for n, (_, p) in runs.items()}, "codes": codes,
+              "envs": ENVS}
     result["memory"] = memory(runs, args.threads, codes)
     timed = {n: runs[n] for n in (args.speed if args.speed is not None else runs)}
     result["speed"] = (timings(timed, args.threads, codes, args.rounds, args.calls, args.batch, args.beams)

@@ -30,6 +30,7 @@ from t5compress.runtime.hugepages import trim_heap
 from t5compress.runtime.limits import check_fits
 from t5compress.runtime.model import Seq2SeqRuntime
 from t5compress.runtime.search import process_scores
+from t5compress.runtime.sessions import releases_working_memory
 from t5compress.runtime.settings import GenerationSettings
 
 
@@ -99,7 +100,7 @@ class InflightBatch:
         start = np.full((n, 1), self.tokens.decoder_start, dtype=np.int64)
         out = backend.decoder.run({"input_ids": start, "encoder_hidden_states": hidden,
                                    "encoder_attention_mask": attention_mask})
-        if self.runtime.device == "cpu":  # what those once-per-call graphs freed goes back (`sessions.releasing`)
+        if self.runtime.device == "cpu" and releases_working_memory():  # what those graphs freed goes back
             trim_heap()
         rows = [Row(key, i, settings, [self.tokens.decoder_start]) for i in range(n)]
         pieces = self._advance(rows, out["logits"][:, -1, :].astype(np.float32, copy=False))

@@ -16,7 +16,7 @@ from t5compress.runtime import hugepages
 from t5compress.runtime.ingraph import SEARCHES, GraphSearch
 from t5compress.runtime.limits import ModelShape, check_fits
 from t5compress.runtime.search import beam_search, greedy_search
-from t5compress.runtime.sessions import Backend, open_backend
+from t5compress.runtime.sessions import Backend, open_backend, releases_working_memory
 from t5compress.runtime.settings import GenerationSettings, SpecialTokens, read_generation_defaults, resolve
 from t5compress.runtime.sharedkv import SharedCacheDecoder, is_shared, rewritten
 from t5compress.runtime.text import TOKENIZER_FILE, Encoded, encode_batch, input_limit, load_text_tokenizer
@@ -170,7 +170,7 @@ class Seq2SeqRuntime:
         try:
             return self._search(input_ids, mask, s)
         finally:  # the call's arrays are freed by now: what they and the once-per-call graphs freed goes back
-            if self.device == "cpu":  # (`sessions.releasing`)
+            if self.device == "cpu" and releases_working_memory():  # (`sessions.releasing`)
                 hugepages.trim_heap()
 
     def _search(self, input_ids: np.ndarray, mask: np.ndarray, s: GenerationSettings) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from t5compress.errors import ModelError, first_line
+from t5compress.errors import ConfigError, ModelError, first_line
 from t5compress.names import (
     DECODER,
     DECODER_MERGED,
@@ -246,14 +247,28 @@ def one_pass() -> Iterator[None]:
         _one_pass = before
 
 
+WORKING_MEMORY = "T5COMPRESS_WORKING_MEMORY"
+
+
+def releases_working_memory() -> bool:
+    """T5COMPRESS_WORKING_MEMORY=release: a call's working memory goes back to the system when the call is done
+    (`releasing`); `keep` (the default) keeps it for the next call, which then faults no page in."""
+    value = os.environ.get(WORKING_MEMORY, "keep")
+    if value not in ("keep", "release"):
+        raise ConfigError(f"{WORKING_MEMORY}={value!r}: use 'keep' (the default) or 'release'")
+    return value == "release"
+
+
 def releasing(session):
-    """For a CPU session with an arena: run options that hand the arena's free regions back as each run ends
-    (`memory.enable_memory_arena_shrinkage`), else None. The graphs run once per call (the encoder, the first step's
-    cross-attention graph) run with them and their outputs in memory of the caller's where they can
-    (`firststep.FirstStep`): an arena keeps a session's largest working set for good (a t5-base shape held 1,094 MB
-    after a batch-8 call of 512 tokens; t5-small 12 MB more after a 32-token one), while inside a run it hands
-    each node its buffers without a page fault. The with-past step, run once per token, keeps its arena."""
-    if not session.get_session_options().enable_cpu_mem_arena or session.get_providers() != ["CPUExecutionProvider"]:
+    """With T5COMPRESS_WORKING_MEMORY=release, for a CPU session with an arena: run options that hand the arena's
+    free regions back as each run ends (`memory.enable_memory_arena_shrinkage`), else None. The graphs run once per
+    call (the encoder, the first step's cross-attention graph) run with them, with their outputs in arrays of the
+    caller's where they can (`firststep.FirstStep`), and the C heap is trimmed after each call. By default an arena
+    keeps a session's largest working set for good (a t5-base shape held 1,093 MB after a batch-8 call of 512
+    tokens, 378 MB released; CTranslate2 576), and the next call faults none of it in again (released: 7% more time
+    at 512 tokens, docs/generate.md). The with-past step, run once per token, keeps its arena either way."""
+    if (not releases_working_memory() or not session.get_session_options().enable_cpu_mem_arena
+            or session.get_providers() != ["CPUExecutionProvider"]):
         return None
     global _RELEASING
     if _RELEASING is None:

@@ -131,19 +131,19 @@ def _rss_mb(field: str = "VmRSS") -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads Linux's /proc")
-def test_a_long_call_gives_its_working_memory_back(tiny_export, monkeypatch):
-    """The graphs run once per call (the encoder, the first step's cross-attention graph) hand their arenas' regions
-    back as each run ends (`sessions.releasing`) and the C heap is trimmed after the call: a batch of 8 x 512
-    tokens, whose attention scores alone are 33.5 MB a tensor on this model, leaves the process at most 12 MB larger
-    (their arenas kept, 60 MB or more), and every call of other lengths gives the same tokens as a runtime that keeps
-    its arenas."""
-    from t5compress.runtime import sessions
+def test_a_long_call_gives_its_working_memory_back_when_asked(tiny_export, monkeypatch):
+    """T5COMPRESS_WORKING_MEMORY=release: the graphs run once per call (the encoder, the first step's cross-attention
+    graph) hand their arenas' regions back as each run ends (`sessions.releasing`) and the C heap is trimmed after
+    the call: a batch of 8 x 512 tokens, whose attention scores alone are 33.5 MB a tensor on this model, leaves the
+    process at most 12 MB larger, where by default (`keep`) their arenas hold 60 MB or more; calls of other lengths
+    give the same tokens either way, and any other value is refused in one line."""
+    from t5compress.errors import ConfigError
+    from t5compress.runtime.sessions import WORKING_MEMORY
 
     ids = np.random.default_rng(0).integers(3, 200, size=(8, 512))
     grown, tokens = {}, {}
     for mode in ("release", "keep"):
-        if mode == "keep":
-            monkeypatch.setattr(sessions, "releasing", lambda session: None)
+        monkeypatch.setenv(WORKING_MEMORY, mode)
         rt = load_runtime(tiny_export, threads=1)
         rt.generate(ids[:, :8], max_new_tokens=2)  # a short call first: what any call keeps
         before = _rss_mb()
@@ -157,3 +157,6 @@ def test_a_long_call_gives_its_working_memory_back(tiny_export, monkeypatch):
     assert grown["release"] < 12 and grown["keep"] > 60, grown
     for a, b in zip(tokens["release"], tokens["keep"], strict=True):
         np.testing.assert_array_equal(a, b)
+    monkeypatch.setenv(WORKING_MEMORY, "lean")
+    with pytest.raises(ConfigError, match="T5COMPRESS_WORKING_MEMORY='lean'"):
+        load_runtime(tiny_export, threads=1)
