@@ -71,9 +71,7 @@ class FirstStep:
         self.cross_names = tuple(o.name for o in self.cross.get_outputs())
         self._stored = None
         self._release = releasing(self.cross)
-        # (heads, d_kv, dtype) of each output, (rows, heads, encoder length, d_kv) once bound
-        self._shapes = [(o.shape[1], o.shape[3], np.float16 if o.type == "tensor(float16)" else np.float32)
-                        for o in self.cross.get_outputs()]
+        self._heads = [(o.shape[1], o.shape[3]) for o in self.cross.get_outputs()]  # (heads, d_kv) of each output
 
     @property
     def stored(self):
@@ -101,7 +99,7 @@ class FirstStep:
         if self._release is None:
             return self.cross.run(None, {HIDDEN: hidden})
         rows, length = hidden.shape[:2]
-        arrays = [np.empty((rows, heads, length, d_kv), dtype) for heads, d_kv, dtype in self._shapes]
+        arrays = [np.empty((rows, heads, length, d_kv), hidden.dtype) for heads, d_kv in self._heads]
         io = self.cross.io_binding()
         io.bind_cpu_input(HIDDEN, np.ascontiguousarray(hidden))
         for name, a in zip(self.cross_names, arrays, strict=True):

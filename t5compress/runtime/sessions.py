@@ -265,8 +265,9 @@ def releasing(session):
     call (the encoder, the first step's cross-attention graph) run with them, with their outputs in arrays of the
     caller's where they can (`firststep.FirstStep`), and the C heap is trimmed after each call. By default an arena
     keeps a session's largest working set for good (a t5-base shape held 1,093 MB after a batch-8 call of 512
-    tokens, 378 MB released; CTranslate2 576), and the next call faults none of it in again (released: 7-15% more time
-    at 512 tokens, docs/generate.md). The with-past step, run once per token, keeps its arena either way."""
+    tokens, 378 MB released; CTranslate2 576), and the next call faults none of it in again (released, at 512 tokens:
+    batch 8 7-15% more time, batch 1 1-8%; docs/generate.md). The with-past step, run once per token, keeps its
+    arena either way."""
     if (not releases_working_memory() or not session.get_session_options().enable_cpu_mem_arena
             or session.get_providers() != ["CPUExecutionProvider"]):
         return None
