@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from t5compress.runtime import load_runtime, sharedkv
+from t5compress.runtime import load_runtime, sessions, sharedkv
 from t5compress.runtime.lazyrows import LazyRows
 from t5compress.runtime.sessions import OnnxGraph
 from tests.runtime.test_runtime import assert_light_imports, build_model, export_with, inputs
@@ -130,31 +130,58 @@ def _rss_mb(field: str = "VmRSS") -> float:
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) / 1024
 
 
+def _grown_by_a_call(rt, ids: np.ndarray) -> tuple[float, float]:
+    """(peak, after) of the process's resident MB over a call of `ids`, above what it held after a short call."""
+    rt.generate(ids[:, :8], max_new_tokens=2)  # a short call first: what any call keeps
+    before = _rss_mb()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+    rt.generate(ids, max_new_tokens=2)
+    return _rss_mb("VmHWM") - before, _rss_mb() - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads Linux's /proc")
+def test_a_long_batch_runs_its_encoder_a_few_rows_at_a_time(tiny_export, monkeypatch):
+    """On the CPU the encoder runs a batch in runs of at most `ENCODER_TOKENS_PER_RUN` tokens, and the first step
+    writes the cross-attention cache into arrays of ours: a call of 8 x 512 tokens, whose attention scores would be
+    33.5 MB a tensor in one run, peaks at most 40 MB above a short call's (19 MB measured) and keeps as much, where
+    with the whole batch in one run the arenas keep 100 MB or more (151 MB); the encoder's states are equal within
+    float rounding."""
+    ids = np.random.default_rng(0).integers(3, 200, size=(8, 512))
+    grown = {}
+    for per_run in (None, sessions.ENCODER_TOKENS_PER_RUN):
+        monkeypatch.setattr(sessions, "ENCODER_TOKENS_PER_RUN", per_run)
+        rt = load_runtime(tiny_export, threads=1)
+        assert rt.backend.encoder.tokens_per_run == per_run
+        grown[per_run] = _grown_by_a_call(rt, ids)
+        del rt
+    assert max(grown[sessions.ENCODER_TOKENS_PER_RUN]) < 40 and grown[None][1] > 100, grown
+    whole = OnnxGraph(tiny_export / "encoder_model.onnx", 1)
+    rows = OnnxGraph(tiny_export / "encoder_model.onnx", 1, tokens_per_run=1024)  # two rows a run
+    feeds = {"input_ids": ids[:5], "attention_mask": np.ones_like(ids[:5])}
+    np.testing.assert_allclose(rows.run(feeds)["last_hidden_state"], whole.run(feeds)["last_hidden_state"],
+                               rtol=0, atol=1e-5)
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads Linux's /proc")
 def test_a_long_call_gives_its_working_memory_back_when_asked(tiny_export, monkeypatch):
     """T5COMPRESS_WORKING_MEMORY=release: the graphs run once per call (the encoder, the first step's cross-attention
     graph) hand their arenas' regions back as each run ends (`sessions.releasing`) and the C heap is trimmed after
-    the call: a batch of 8 x 512 tokens, whose attention scores alone are 33.5 MB a tensor on this model, leaves the
-    process at most 12 MB larger, where by default (`keep`) their arenas hold 60 MB or more; calls of other lengths
-    give the same tokens either way, and any other value is refused in one line."""
+    the call: a row of 2,048 tokens, whose attention scores alone are 67 MB a tensor on this model, leaves the
+    process at most 12 MB larger, where by default (`keep`) the encoder's arena holds 60 MB or more; calls of other
+    lengths give the same tokens either way, and any other value is refused in one line."""
     from t5compress.errors import ConfigError
     from t5compress.runtime.sessions import WORKING_MEMORY
 
-    ids = np.random.default_rng(0).integers(3, 200, size=(8, 512))
+    ids = np.random.default_rng(0).integers(3, 200, size=(1, 2048))
     grown, tokens = {}, {}
     for mode in ("release", "keep"):
         monkeypatch.setenv(WORKING_MEMORY, mode)
         rt = load_runtime(tiny_export, threads=1)
-        rt.generate(ids[:, :8], max_new_tokens=2)  # a short call first: what any call keeps
-        before = _rss_mb()
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
-        rt.generate(ids, max_new_tokens=2)
-        peak, after = _rss_mb("VmHWM"), _rss_mb()
-        assert peak - before > 60, (mode, before, peak)  # the call did need its working memory
-        grown[mode] = after - before
-        tokens[mode] = [rt.generate(ids[:3, :n], max_new_tokens=6) for n in (5, 40, 17, 40)]
+        grown[mode] = _grown_by_a_call(rt, ids)
+        tokens[mode] = [rt.generate(np.tile(ids[:, :n], (3, 1)), max_new_tokens=6) for n in (5, 40, 17, 40)]
         del rt
-    assert grown["release"] < 12 and grown["keep"] > 60, grown
+    assert min(grown["release"][0], grown["keep"][0]) > 60, grown  # the call did need its working memory
+    assert grown["release"][1] < 12 and grown["keep"][1] > 60, grown
     for a, b in zip(tokens["release"], tokens["keep"], strict=True):
         np.testing.assert_array_equal(a, b)
     monkeypatch.setenv(WORKING_MEMORY, "lean")
