@@ -280,10 +280,10 @@ def releasing(session):
     free regions back as each run ends (`memory.enable_memory_arena_shrinkage`), else None. The graphs run once per
     call (the encoder, the first step's cross-attention graph) run with them, with their outputs in arrays of the
     caller's where they can (`firststep.FirstStep`), and the C heap is trimmed after each call. By default an arena
-    keeps a session's largest working set for good (a t5-base shape held 1,093 MB after a batch-8 call of 512
-    tokens, 378 MB released; CTranslate2 576), and the next call faults none of it in again (released, at 512 tokens:
-    batch 8 7-15% more time, batch 1 1-8%; docs/generate.md). The with-past step, run once per token, keeps its
-    arena either way."""
+    keeps a session's largest working set for good, and the next call faults none of it in again (a t5-base shape,
+    static int8, after a batch-8 call of 512 tokens: 449 MB kept, the encoder run a row at a time, 381 MB released;
+    CTranslate2 576; released, at 512 tokens batch 8 took 1.02-1.15x the time, batch 1 1.01-1.08x; docs/generate.md).
+    The with-past step, run once per token, keeps its arena either way."""
     if (not releases_working_memory() or not session.get_session_options().enable_cpu_mem_arena
             or session.get_providers() != ["CPUExecutionProvider"]):
         return None
