@@ -195,13 +195,15 @@ class OnnxGraph:
         if self.fills is not None:
             self.fills.fill(feeds["input_ids"])
         inputs = dict(zip(self.input_names, _feeds_for(self, feeds), strict=True))
-        rows, length = feeds["input_ids"].shape if self.tokens_per_run else (1, 1)
-        step = max(1, self.tokens_per_run // length) if self.tokens_per_run else rows
-        if step >= rows:
-            return dict(zip(self.output_names, self.session.run(None, inputs, self.run_options), strict=True))
-        runs = [self.session.run(None, {n: v[i:i + step] for n, v in inputs.items()}, self.run_options)
-                for i in range(0, rows, step)]
-        return {n: np.concatenate(parts) for n, parts in zip(self.output_names, zip(*runs, strict=True), strict=True)}
+        if self.tokens_per_run:
+            rows, length = feeds["input_ids"].shape
+            step = max(1, self.tokens_per_run // length)
+            if step < rows:
+                runs = [self.session.run(None, {n: v[i:i + step] for n, v in inputs.items()}, self.run_options)
+                        for i in range(0, rows, step)]
+                parts = zip(*runs, strict=True)  # each output's parts, run by run
+                return {n: np.concatenate(p) for n, p in zip(self.output_names, parts, strict=True)}
+        return dict(zip(self.output_names, self.session.run(None, inputs, self.run_options), strict=True))
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
