@@ -188,8 +188,7 @@ class OnnxGraph:
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.run_options = releasing(self.session) if once_per_call else None
-        on_cpu = self.session.get_providers() == ["CPUExecutionProvider"]
-        self.tokens_per_run = tokens_per_run if on_cpu else None
+        self.tokens_per_run = tokens_per_run if _on_cpu(self.session) else None
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.fills is not None:
@@ -204,6 +203,10 @@ class OnnxGraph:
                 parts = zip(*runs, strict=True)  # each output's parts, run by run
                 return {n: np.concatenate(p) for n, p in zip(self.output_names, parts, strict=True)}
         return dict(zip(self.output_names, self.session.run(None, inputs, self.run_options), strict=True))
+
+
+def _on_cpu(session) -> bool:
+    return session.get_providers() == ["CPUExecutionProvider"]
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -286,8 +289,7 @@ def releasing(session):
     static int8, after a batch-8 call of 512 tokens: 449 MB kept, the encoder run a row at a time, 381 MB released;
     CTranslate2 576; released, at 512 tokens batch 8 took 1.02-1.15x the time, batch 1 1.01-1.08x; docs/generate.md).
     The with-past step, run once per token, keeps its arena either way."""
-    if (not releases_working_memory() or not session.get_session_options().enable_cpu_mem_arena
-            or session.get_providers() != ["CPUExecutionProvider"]):
+    if not (releases_working_memory() and session.get_session_options().enable_cpu_mem_arena and _on_cpu(session)):
         return None
     global _RELEASING
     if _RELEASING is None:
