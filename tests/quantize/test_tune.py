@@ -38,7 +38,7 @@ def test_tuning_keeps_layers_fp32_until_the_metric_is_back(skilled, tmp_path):
     assert tuned["metric"] == "exact_match" and tuned["fp32"] == fp32 and tuned["int8"] == int8
     assert 50 <= fp32 < 100
     assert int8 >= fp32  # tolerance 0, end to end
-    trials = tuned["trials"]
+    trials, whole = tuned["trials"], {}
     assert [g for g in TUNE_ORDER if any(t["graph"] == g for t in trials)] == list(TUNE_ORDER)
     for g in GRAPHS:
         mine = [t for t in trials if t["graph"] == g]
@@ -47,10 +47,13 @@ def test_tuning_keeps_layers_fp32_until_the_metric_is_back(skilled, tmp_path):
         assert [t["candidate"] for t in mine] == list(range(len(mine)))
         kept = r["graphs"][g]["kept_fp32"]
         assert len(kept) == mine[-1]["kept_fp32"]
-        # the nodes reported fp32 are in the written graph, with their fp32 weights; the rest is int8
+        # the nodes reported fp32 are in the written graph, with their fp32 weights; the rest is int8, unless the
+        # search had to take its last candidate, the whole graph fp32 (the encoder, on an Intel Xeon with AMX, where
+        # the fixture trains a little differently: a knife-edge example flips with any int8 layer of it)
         assert sorted(fp32_nodes(out / f"{g}.onnx", kept)) == sorted(kept)
-        assert r["graphs"][g]["quantized_nodes"] > 0
-        assert Counter(n.op_type for n in onnx.load(str(out / f"{g}.onnx")).graph.node)["DequantizeLinear"] > 0
+        whole[g] = len(mine) == len(r["graphs"][g]["candidates"])
+        int8_nodes = Counter(n.op_type for n in onnx.load(str(out / f"{g}.onnx")).graph.node)["DequantizeLinear"]
+        assert (r["graphs"][g]["quantized_nodes"] > 0 and int8_nodes > 0) or (whole[g] and int8_nodes == 0), mine
     first = [t for t in trials if t["candidate"] == 0]
     if all(t["meets_goal"] for t in first):
         # All int8 already keeps the metric: on an AVX2 CPU without VNNI, with the skilled model trained at 1 thread
@@ -60,7 +63,9 @@ def test_tuning_keeps_layers_fp32_until_the_metric_is_back(skilled, tmp_path):
     else:
         assert any(not t["meets_goal"] for t in trials)  # the search really searched
         assert sum(len(r["graphs"][g]["kept_fp32"]) for g in GRAPHS) > 0
-    assert r["size"]["ratio"] < 0.5
+        # and kept part of a graph fp32, the rest int8, somewhere (the with-past step's LM head on the Xeon)
+        assert any(r["graphs"][g]["kept_fp32"] and r["graphs"][g]["quantized_nodes"] for g in GRAPHS)
+    assert r["size"]["ratio"] < (0.7 if any(whole.values()) else 0.5)  # the Xeon's, with its encoder fp32: 0.636
 
 
 @pytest.mark.slow
