@@ -40,7 +40,7 @@ def profiled_runtime(path: Path, config: str, prefix: Path):
     """The runtime on `path` with every graph at `config`'s threads and entries, and the profiler on."""
     threads, entries = CONFIGS[config]
     from t5compress.runtime import load_runtime, session_options
-    from t5compress.runtime.sessions import OnnxGraph
+    from t5compress.runtime.sessions import OnnxGraph, onnx_session
     from t5compress.runtime.sharedkv import open_shared
 
     def options(name: str):
@@ -52,14 +52,9 @@ def profiled_runtime(path: Path, config: str, prefix: Path):
 
     rt = load_runtime(path, threads=1)
     graphs = {}
-    for key, stem in GRAPHS[:2]:
-        g = OnnxGraph.__new__(OnnxGraph)
-        from t5compress.runtime.sessions import onnx_session
-
-        g.name, g.session = stem, onnx_session(path / f"{stem}.onnx", options(key))
-        g.input_names = tuple(i.name for i in g.session.get_inputs())
-        g.output_names = tuple(o.name for o in g.session.get_outputs())
-        graphs[key] = g
+    for key, stem in GRAPHS[:2]:  # the graphs as stored (the runtime's own encoder reads the with-past's table)
+        graph = path / f"{stem}.onnx"
+        graphs[key] = OnnxGraph(graph, threads, session=onnx_session(graph, options(key)))
     graphs["past"] = open_shared(path, options("past"))
     rt.backend = dataclasses.replace(rt.backend, encoder=graphs["encoder"], decoder=graphs["first"],
                                      decoder_with_past=graphs["past"])
