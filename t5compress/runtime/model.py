@@ -179,8 +179,8 @@ class Seq2SeqRuntime:
         search = beam_search if s.num_beams > 1 else greedy_search
         try:
             return search(decoder, input_ids.shape[0], s, self.tokens)
-        finally:
-            getattr(decoder, "close", lambda: None)()  # a shared-cache decoder gives its buffers back
+        finally:  # a shared-cache decoder gives its buffers back: for the next call, or released with this one
+            getattr(decoder, "close", lambda keep: None)(keep=not (self.device == "cpu" and releases_working_memory()))
 
     def decoder_for(self, hidden: np.ndarray, mask: np.ndarray, beams: int, max_length: int):
         """The step-by-step decoder of one call: the cache as numpy arrays, in buffers written in place (a shared-

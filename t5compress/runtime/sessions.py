@@ -284,11 +284,12 @@ def releasing(session):
     """With T5COMPRESS_WORKING_MEMORY=release, for a CPU session with an arena: run options that hand the arena's
     free regions back as each run ends (`memory.enable_memory_arena_shrinkage`), else None. The graphs run once per
     call (the encoder, the first step's cross-attention graph) run with them, with their outputs in arrays of the
-    caller's where they can (`firststep.FirstStep`), and the C heap is trimmed after each call. By default an arena
-    keeps a session's largest working set for good, and the next call faults none of it in again (a t5-base shape,
-    static int8, after a batch-8 call of 512 tokens: 449 MB kept, the encoder run a row at a time, 381 MB released;
-    CTranslate2 576; released, at 512 tokens batch 8 took 1.02-1.15x the time, batch 1 1.01-1.08x; docs/generate.md).
-    The with-past step, run once per token, keeps its arena either way."""
+    caller's where they can (`firststep.FirstStep`), the with-past step's cache and logits buffers are not kept
+    (`sharedkv.SharedCacheDecoder.close`), and the C heap is trimmed after each call. By default an arena keeps a
+    session's largest working set for good, and the next call faults none of it in again (a t5-base shape, static
+    int8, after a batch-8 call of 512 tokens: 449 MB kept, the encoder run a row at a time, 340 MB released;
+    CTranslate2 576-590; released, at 512 tokens batch 8 took 1.02-1.15x the time, batch 1 1.01-1.08x;
+    docs/generate.md). The with-past step, run once per token, keeps its arena either way."""
     if not (releases_working_memory() and session.get_session_options().enable_cpu_mem_arena and _on_cpu(session)):
         return None
     global _RELEASING

@@ -457,13 +457,15 @@ class SharedCacheDecoder:
             io.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
         self.io = io
 
-    def close(self) -> None:
-        """Give the cache buffers back for the next call (the runtime calls this when the search is done), and unmap
-        the stored tables' pages this call's lookups read (`lazyrows`)."""
+    def close(self, keep: bool = True) -> None:
+        """Give the cache buffers back for the next call (the runtime calls this when the search is done; `keep`
+        False: to the system instead, with the call), and unmap the stored tables' pages this call's lookups read
+        (`lazyrows`)."""
         if self.graph.fills is not None:
             self.graph.fills.drop()
         if self.io is not None:
-            self.pool.give(self.owned)
+            if keep:
+                self.pool.give(self.owned)
             self.io, self.buffers, self.owned = None, {}, []
 
     def reorder(self, rows: np.ndarray) -> None:

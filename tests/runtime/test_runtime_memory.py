@@ -167,8 +167,9 @@ def test_a_long_call_gives_its_working_memory_back_when_asked(tiny_export, monke
     """T5COMPRESS_WORKING_MEMORY=release: the graphs run once per call (the encoder, the first step's cross-attention
     graph) hand their arenas' regions back as each run ends (`sessions.releasing`) and the C heap is trimmed after
     the call: a row of 2,048 tokens, whose attention scores alone are 67 MB a tensor on this model, leaves the
-    process at most 12 MB larger, where by default (`keep`) the encoder's arena holds 60 MB or more; calls of other
-    lengths give the same tokens either way, and any other value is refused in one line."""
+    process at most 12 MB larger, where by default (`keep`) the encoder's arena holds 60 MB or more; the self-attention
+    cache's and the logits' buffers are kept for the next call only by `keep`; calls of other lengths give the same
+    tokens either way, and any other value is refused in one line."""
     from t5compress.errors import ConfigError
     from t5compress.runtime.sessions import WORKING_MEMORY
 
@@ -179,6 +180,8 @@ def test_a_long_call_gives_its_working_memory_back_when_asked(tiny_export, monke
         rt = load_runtime(tiny_export, threads=1)
         grown[mode] = _grown_by_a_call(rt, ids)
         tokens[mode] = [rt.generate(np.tile(ids[:, :n], (3, 1)), max_new_tokens=6) for n in (5, 40, 17, 40)]
+        kept = rt.backend.decoder_with_past.pool.free  # (shapes, arrays) of each set of buffers kept
+        assert sum(a.nbytes for _, arrays in kept for a in arrays) == 0 if mode == "release" else len(kept) >= 2
         del rt
     assert min(grown["release"][0], grown["keep"][0]) > 60, grown  # the call did need its working memory
     assert grown["release"][1] < 12 and grown["keep"][1] > 60, grown
