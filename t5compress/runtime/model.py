@@ -167,20 +167,21 @@ class Seq2SeqRuntime:
         mask = self._mask(input_ids, attention_mask)
         if self.graph_search is not None:
             return self.graph_search.generate(input_ids, mask, s, self.tokens)
+        release = self.device == "cpu" and releases_working_memory()  # (`sessions.releasing`)
         try:
-            return self._search(input_ids, mask, s)
+            return self._search(input_ids, mask, s, release)
         finally:  # the call's arrays are freed by now: what they and the once-per-call graphs freed goes back
-            if self.device == "cpu" and releases_working_memory():  # (`sessions.releasing`)
+            if release:
                 hugepages.trim_heap()
 
-    def _search(self, input_ids: np.ndarray, mask: np.ndarray, s: GenerationSettings) -> np.ndarray:
+    def _search(self, input_ids: np.ndarray, mask: np.ndarray, s: GenerationSettings, release: bool) -> np.ndarray:
         hidden = self.backend.encoder.run({"input_ids": input_ids, "attention_mask": mask})["last_hidden_state"]
         decoder = self.decoder_for(hidden, mask, s.num_beams, s.max_length)
         search = beam_search if s.num_beams > 1 else greedy_search
         try:
             return search(decoder, input_ids.shape[0], s, self.tokens)
-        finally:  # a shared-cache decoder gives its buffers back: for the next call, or released with this one
-            getattr(decoder, "close", lambda keep: None)(keep=not (self.device == "cpu" and releases_working_memory()))
+        finally:  # a shared-cache decoder gives its buffers back: for the next call, or with this one (`release`)
+            getattr(decoder, "close", lambda keep: None)(keep=not release)
 
     def decoder_for(self, hidden: np.ndarray, mask: np.ndarray, beams: int, max_length: int):
         """The step-by-step decoder of one call: the cache as numpy arrays, in buffers written in place (a shared-

@@ -288,8 +288,9 @@ def releasing(session):
     (`sharedkv.SharedCacheDecoder.close`), and the C heap is trimmed after each call. By default an arena keeps a
     session's largest working set for good, and the next call faults none of it in again (a t5-base shape, static
     int8, after a batch-8 call of 512 tokens: 449 MB kept, the encoder run a row at a time, 340 MB released;
-    CTranslate2 576-590; released, at 512 tokens batch 8 took 1.02-1.15x the time, batch 1 1.01-1.08x;
-    docs/generate.md). The with-past step, run once per token, keeps its arena either way."""
+    CTranslate2 576-590; released, at 512 tokens batch 8 took 1.02-1.15x the time before the cache buffers went too,
+    1.19x after (median of 3 calls, 1.06x the fastest), batch 1 1.01-1.08x; docs/generate.md). The with-past step,
+    run once per token, keeps its arena either way."""
     if not (releases_working_memory() and session.get_session_options().enable_cpu_mem_arena and _on_cpu(session)):
         return None
     global _RELEASING
